@@ -1,0 +1,1 @@
+"""Streaming runtimes: rollout workers (ring -> ZMQ) and training-rank step reports."""
