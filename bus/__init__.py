@@ -9,7 +9,18 @@ from bus._aggregate import (
     ReduceType,
     merge_into,
     new_record,
+    output_keys,
     project,
+    project_all,
 )
 
-__all__ = ["INF", "Record", "ReduceType", "merge_into", "new_record", "project"]
+__all__ = [
+    "INF",
+    "Record",
+    "ReduceType",
+    "merge_into",
+    "new_record",
+    "output_keys",
+    "project",
+    "project_all",
+]

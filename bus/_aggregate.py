@@ -86,3 +86,11 @@ def output_keys(key: str, rtype: ReduceType) -> tuple[str, ...]:
     if rtype is ReduceType.AVG_MIN_MAX:
         return (key + "/avg", key + "/min", key + "/max")
     return (key,)
+
+
+def project_all(records: dict[str, tuple[ReduceType, Record]]) -> dict[str, float]:
+    """Project every ``key -> (reduce type, record)`` (callers check key collisions)."""
+    out: dict[str, float] = {}
+    for k, (rtype, rec) in records.items():
+        out.update(project(k, rtype, rec))
+    return out
