@@ -29,8 +29,8 @@ from bus._aggregate import output_keys
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-RING_CAPACITY = 1 << 16
-"""Scalar events held before the recording call folds them in place (bounded memory)."""
+RING_CAPACITY = 1 << 15
+"""Scalar calls held before the recording call folds them in place (bounded memory)."""
 
 
 def _as_number(key: str, value: object) -> float:
@@ -114,7 +114,7 @@ class _Timing:
     def __exit__(self, *exc: object) -> None:
         elapsed = time.perf_counter() - self._starts.pop()
         # Fixed under "timeperf/", outside any scope, as in the reference.
-        self._tracker._ring.append(("", self._key, elapsed))
+        self._tracker._ring.append(("", {self._key: elapsed}))
 
     def __call__(self, fn: F) -> F:
         tracker, name = self._tracker, self._key[len("timeperf/") :]
@@ -147,8 +147,9 @@ class DistributedStatsTracker:
         self.name = name
         self._prefix = name + "/" if name else ""
         self._scope: ContextVar[str] = ContextVar(f"areal_stream_scope_{name}", default="")
+        self._scoped = False  # set for good when a scope is first entered
         # Hot path state: appended to without a lock (list.append is atomic).
-        self._ring: list[tuple[str, str, float]] = []
+        self._ring: list[tuple[str, dict[str, float]]] = []  # (scope, {name: value})
         # Everything below is guarded by _lock.
         self._lock = threading.RLock()
         self._scalars: dict[str, list[float]] = {}  # key -> [sum, count]
@@ -163,11 +164,12 @@ class DistributedStatsTracker:
 
     def scope(self, name: str) -> _Scope:
         """Context manager (sync or async) and decorator adding ``name/`` to keys."""
+        self._scoped = True
         return _Scope(self._scope, name)
 
     def scope_func_wrapper(self, name: str) -> Callable[[F], F]:
         """Decorator form of :meth:`scope` (reference name)."""
-        return _Scope(self._scope, name)
+        return self.scope(name)
 
     def record_timing(self, name: str) -> _Timing:
         """Time a block into SCALAR ``timeperf/<name>`` (seconds)."""
@@ -182,17 +184,18 @@ class DistributedStatsTracker:
     def scalar(self, *, reduce_group: Any = None, **kwargs: Any) -> None:
         """Record one number per key (SCALAR: exported as mean ``k`` and ``k__count``).
 
-        A call with any bad value records nothing and raises, naming the key.
+        The hot path: one append of ``(scope, kwargs)`` to the ring, no lock, no await. A
+        call with any bad value records nothing and raises, naming the key.
         """
-        prefix = self._scope.get()
         for v in kwargs.values():
             if type(v) is not float and type(v) is not int:
                 kwargs = {k: _as_number(k, v) for k, v in kwargs.items()}
                 break
         if reduce_group is not None or self._tensors:
-            self._scalar_slow(prefix, kwargs, reduce_group)
+            self._scalar_slow(self._scope.get(), kwargs, reduce_group)
         ring = self._ring
-        ring.extend([(prefix, k, v) for k, v in kwargs.items()])
+        # Until a scope is first entered on this tracker, every key is unscoped.
+        ring.append((self._scope.get() if self._scoped else "", kwargs))
         if len(ring) >= RING_CAPACITY:
             self.fold()
 
@@ -341,18 +344,24 @@ class DistributedStatsTracker:
         # Slice then delete: appends racing with us land past n and survive.
         items = ring[:n]
         del ring[:n]
+        groups: dict[str, list[float]] = {}
+        for p, kw in items:
+            for k, v in kw.items():
+                try:
+                    groups[p + k].append(v)
+                except KeyError:
+                    groups[p + k] = [v]
         recs = self._scalars
-        for p, k, v in items:
-            key = p + k
+        for key, vals in groups.items():
             r = recs.get(key)
             if r is None:
-                recs[key] = [v, 1.0]
+                recs[key] = [float(sum(vals)), float(len(vals))]
             else:
-                r[0] += v
-                r[1] += 1.0
+                r[0] += sum(vals)
+                r[1] += len(vals)
 
     def pending_events(self) -> int:
-        """Scalar events recorded but not yet folded."""
+        """Scalar-recording calls not yet folded (each holds one or more values)."""
         return len(self._ring)
 
     def _entries(self, key: str | None = None) -> dict[str, Entry]:
@@ -454,10 +463,10 @@ _TRACKERS = REGISTRY.trackers
 
 def get(name: str = "") -> DistributedStatsTracker:
     """The tracker called ``name`` (created on first use); ``""`` is the default."""
-    t = _TRACKERS.get(name)
-    if t is None:
-        t = REGISTRY.create(name)
-    return t
+    try:
+        return _TRACKERS[name]
+    except KeyError:
+        return REGISTRY.create(name)
 
 
 class _Locks:

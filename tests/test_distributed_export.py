@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from _dist import run_ranks
 
 

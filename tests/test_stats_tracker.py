@@ -142,14 +142,24 @@ def test_float64_accumulation() -> None:
         (lambda: stats_tracker.denominator(d=[True]), TypeError, "d"),
         (lambda: stats_tracker.denominator(e=torch.ones(0, dtype=torch.bool)), ValueError, "e"),
         (lambda: stats_tracker.stat(x=torch.ones(3), denominator="nope"), ValueError, "nope"),
-        (lambda: stats_tracker.stat(i=torch.ones(3, dtype=torch.long), denominator="m"), TypeError, "i"),
+        (
+            lambda: stats_tracker.stat(i=torch.ones(3, dtype=torch.long), denominator="m"),
+            TypeError,
+            "i",
+        ),
         (lambda: stats_tracker.stat(s=torch.ones(4), denominator="m"), ValueError, "s"),
         (
-            lambda: stats_tracker.stat(x=torch.ones(3), denominator="m", reduce_type=ReduceType.SCALAR),
+            lambda: stats_tracker.stat(
+                x=torch.ones(3), denominator="m", reduce_type=ReduceType.SCALAR
+            ),
             ValueError,
             "SCALAR",
         ),
-        (lambda: stats_tracker.stat(x=torch.ones(3), denominator="m", reduce_type="avg"), TypeError, "reduce_type"),
+        (
+            lambda: stats_tracker.stat(x=torch.ones(3), denominator="m", reduce_type="avg"),
+            TypeError,
+            "reduce_type",
+        ),
     ],
 )
 def test_bad_input_is_refused_naming_the_key_and_keeps_records(
@@ -200,7 +210,10 @@ def test_export_all_refuses_key_produced_by_two_trackers_and_loses_nothing() -> 
     stats_tracker.get("rollout").scalar(reward=0.0)
     with pytest.raises(ValueError, match="rollout/reward"):
         stats_tracker.export_all()
-    assert stats_tracker.get("rollout").export() == {"rollout/reward": 0.0, "rollout/reward__count": 1}
+    assert stats_tracker.get("rollout").export() == {
+        "rollout/reward": 0.0,
+        "rollout/reward__count": 1,
+    }
     assert stats_tracker.export() == {"rollout/reward": 1.0, "rollout/reward__count": 1}
 
 
@@ -288,9 +301,7 @@ async def test_workflow_context_stat_scope_per_task() -> None:
         await asyncio.sleep(0)
         stats_tracker.get(workflow_context.stat_scope()).scalar(reward=1.0 if is_eval else 0.0)
 
-    await asyncio.wait_for(
-        asyncio.gather(*(run(i % 3 == 0) for i in range(30))), timeout=10
-    )
+    await asyncio.wait_for(asyncio.gather(*(run(i % 3 == 0) for i in range(30))), timeout=10)
     out = stats_tracker.export_all()
     assert out["eval-rollout/reward"] == 1.0 and out["eval-rollout/reward__count"] == 10
     assert out["rollout/reward"] == 0.0 and out["rollout/reward__count"] == 20
