@@ -10,7 +10,7 @@ if [ -n "${AREAL_STREAM_TORCH:-}" ]; then
     "${pip[@]}" "$AREAL_STREAM_TORCH"
 elif "${pip[@]}" --no-index --no-deps "torch==2.13.0" 2>/dev/null; then
     # a local CPU wheel was found; now fetch what it depends on from the index
-    "${pip[@]}" "torch==2.13.0" 2>&1 | grep -v "is ignored" >&2 || true
+    "${pip[@]}" "torch==2.13.0"
 else
     "${pip[@]}" torch
 fi
