@@ -1,0 +1,254 @@
+"""``python -m areal_stream.demo``: a complete local async RLVR run, start to finish.
+
+Starts the controller, the rollout workers and 2 gloo training ranks as child processes,
+shows each committed step, and stops every child on exit or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import getpass
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m areal_stream.demo",
+        description="Run a simulated asynchronous RLVR job with real areal_stream parts.",
+    )
+    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    p.add_argument("--workers", type=int, default=3, help="rollout worker processes (default 3)")
+    p.add_argument(
+        "--workflows-per-worker", type=int, default=32, help="concurrent workflows (default 32)"
+    )
+    p.add_argument("--fileroot", default="runs", help="where logs go (default ./runs)")
+    p.add_argument("--experiment-name", default="areal_stream_demo")
+    p.add_argument("--trial-name", default=None, help="default: a timestamp")
+    p.add_argument("--wandb", action="store_true", help="also log to W&B (offline)")
+    p.add_argument("--swanlab", action="store_true", help="also log to SwanLab (offline)")
+    p.add_argument("--trackio", action="store_true", help="also log to Trackio (local)")
+    p.add_argument("--no-tensorboard", action="store_true", help="skip TensorBoard")
+    p.add_argument(
+        "--eval-before-train",
+        action="store_true",
+        help="one evaluation round before the first step (its metrics arrive with step 0)",
+    )
+    p.add_argument("--step-seconds", type=float, default=0.5, help="fake PPO step time")
+    p.add_argument("--seal-timeout", type=float, default=5.0)
+    p.add_argument("--quiet", action="store_true", help="no per-step table from the controller")
+    args = p.parse_args(argv)
+    for name in ("steps", "workers", "workflows_per_worker"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def write_config(args: argparse.Namespace, trial: str, path: str) -> dict[str, Any]:
+    """The spec's ``stats_logger:`` block for this run."""
+    fileroot = os.path.abspath(args.fileroot)
+    block: dict[str, Any] = {
+        "experiment_name": args.experiment_name,
+        "trial_name": trial,
+        "fileroot": fileroot,
+        "wandb": {"mode": "offline" if args.wandb else "disabled", "project": "areal_stream"},
+        "swanlab": {"mode": "offline" if args.swanlab else "disabled", "project": "areal_stream"},
+        "trackio": {"mode": "local" if args.trackio else "disabled", "project": "areal_stream"},
+        "console": {"enabled": not args.quiet},
+    }
+    if args.no_tensorboard:
+        block["tensorboard"] = {"path": None}
+    with open(path, "w") as f:
+        yaml.safe_dump({"stats_logger": block}, f, sort_keys=False)
+    return block
+
+
+class Children:
+    """Child processes that are always stopped: SIGTERM, a grace period, then SIGKILL."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(self, name: str, argv: list[str], **kw: Any) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(argv, **kw)
+        self.procs.append((name, proc))
+        return proc
+
+    def stop(self, names: Sequence[str] | None = None, grace: float = 10.0) -> None:
+        chosen = [(n, p) for n, p in self.procs if names is None or n in names]
+        for _, p in chosen:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for name, p in chosen:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"[demo] {name} did not stop in {grace:.0f}s; killing it", file=sys.stderr)
+                p.kill()
+                p.wait(timeout=10)
+
+
+def _wait_for_file(path: str, what: str, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{what}: a process exited early with code {p.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not ready after {timeout:.0f}s")
+        time.sleep(0.05)
+
+
+def _read_journal(path: str, offset: int) -> tuple[list[dict[str, Any]], int]:
+    if not os.path.exists(path):
+        return [], offset
+    with open(path) as f:
+        f.seek(offset)
+        text = f.read()
+    lines = text.split("\n")
+    complete, rest = lines[:-1], lines[-1]
+    return [json.loads(line) for line in complete if line], offset + len(text) - len(rest)
+
+
+def _progress(row: dict[str, Any], steps: int, t0: float) -> str:
+    s = row["stats"]
+
+    def fmt(key: str) -> str:
+        v = s.get(key)
+        return "-" if not isinstance(v, (int, float)) else f"{v:.3g}"
+
+    return (
+        f"[demo] step {row['global_step'] + 1}/{steps} committed at {time.monotonic() - t0:5.1f}s"
+        f"  rollout/reward={fmt('rollout/reward')}"
+        f"  eval-rollout/reward={fmt('eval-rollout/reward')}"
+        f"  ppo_actor/update/loss/avg={fmt('ppo_actor/update/loss/avg')}"
+        f"  train_perf/tokens_per_second={fmt('train_perf/tokens_per_second')}"
+        f"  bus/missing_workers={fmt('bus/missing_workers')}"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    trial = args.trial_name or datetime.datetime.now().strftime("trial_%Y%m%d_%H%M%S")
+    log_dir = os.path.join(
+        os.path.abspath(args.fileroot), "logs", getpass.getuser(), args.experiment_name, trial
+    )
+    os.makedirs(log_dir, exist_ok=True)
+    config_path = os.path.join(log_dir, "run.yaml")
+    write_config(args, trial, config_path)
+    journal = os.path.join(log_dir, "stats.jsonl")
+    py = sys.executable
+    children = Children()
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="areal_stream_demo_") as tmp:
+        try:
+            ready = os.path.join(tmp, "controller.json")
+            controller = children.start(
+                "controller",
+                [
+                    py, "-m", "areal_stream.controller", "--config", config_path,
+                    "--bind", "tcp://127.0.0.1:0", "--control", "tcp://127.0.0.1:0",
+                    "--ready-file", ready, "--seal-timeout", str(args.seal_timeout),
+                    "--log-level", "WARNING",
+                ],
+            )  # fmt: skip
+            _wait_for_file(ready, "controller", [controller], 60)
+            with open(ready) as f:
+                addr = json.load(f)
+            print(f"[demo] controller listening on {addr['data']} (control {addr['control']})")
+
+            worker_ready = []
+            for i in range(args.workers):
+                argv = [
+                    py, "-m", "areal_stream.demo._worker", "--data", addr["data"],
+                    "--control", addr["control"], "--worker-id", f"rollout-{i}",
+                    "--workflows", str(args.workflows_per_worker), "--seed", str(i),
+                ]  # fmt: skip
+                path = os.path.join(tmp, f"worker{i}.ready")
+                argv += ["--ready-file", path]
+                if args.eval_before_train:
+                    argv.append("--eval-before-train")
+                worker_ready.append((path, children.start(f"rollout-{i}", argv)))
+            for path, proc in worker_ready:
+                _wait_for_file(path, "rollout worker", [proc, controller], 60)
+            print(
+                f"[demo] {args.workers} rollout workers x {args.workflows_per_worker} workflows"
+                + (" (evaluation round done)" if args.eval_before_train else "")
+            )
+
+            store = os.path.join(tmp, "gloo_store")
+            trainers = [
+                children.start(
+                    f"trainer-{r}",
+                    [
+                        py, "-m", "areal_stream.demo._trainer", "--rank", str(r), "--world", "2",
+                        "--store", store, "--data", addr["data"], "--steps", str(args.steps),
+                        "--step-seconds", str(args.step_seconds),
+                    ],
+                )  # fmt: skip
+                for r in range(2)
+            ]
+            print(f"[demo] 2 training ranks (gloo) running {args.steps} steps")
+
+            offset, committed = 0, 0
+            deadline = time.monotonic() + 120 + args.steps * (args.step_seconds + 5)
+            while committed < args.steps:
+                rows, offset = _read_journal(journal, offset)
+                for row in rows:
+                    committed += 1
+                    print(_progress(row, args.steps, t0), flush=True)
+                failed = [p.returncode for p in trainers if p.poll() not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"a training rank failed with code {failed[0]}")
+                if controller.poll() is not None:
+                    raise RuntimeError(f"the controller exited with code {controller.returncode}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"only {committed}/{args.steps} steps committed in time")
+                time.sleep(0.1)
+            for p in trainers:
+                p.wait(timeout=60)
+            children.stop([f"rollout-{i}" for i in range(args.workers)])
+            children.stop(["controller"], grace=60)
+            rows, offset = _read_journal(journal, offset)
+            for row in rows:
+                print(f"[demo] final window committed as step {row['global_step']}")
+        except KeyboardInterrupt:
+            print("\n[demo] interrupted: stopping every process", file=sys.stderr)
+            children.stop(grace=15)
+            return 130
+        finally:
+            children.stop(grace=15)
+    print(f"\n[demo] done in {time.monotonic() - t0:.1f}s. Logs: {log_dir}")
+    print(f"  journal:     {journal}")
+    if not args.no_tensorboard:
+        print(f"  TensorBoard: tensorboard --logdir {log_dir}")
+    if args.wandb:
+        print(f"  W&B offline: wandb sync {os.path.join(log_dir, 'wandb', 'offline-run-*')}")
+    if args.swanlab:
+        print("  SwanLab:     swanlab sync <the run folder under the log dir>")
+    if args.trackio:
+        print("  Trackio:     trackio show --project areal_stream")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"[demo] failed: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
