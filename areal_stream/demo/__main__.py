@@ -45,6 +45,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="one evaluation round before the first step (its metrics arrive with step 0)",
     )
     p.add_argument("--step-seconds", type=float, default=0.5, help="fake PPO step time")
+    p.add_argument(
+        "--eval-fraction", type=float, default=0.1, help="share of workflows run in eval mode"
+    )
     p.add_argument("--seal-timeout", type=float, default=5.0)
     p.add_argument("--quiet", action="store_true", help="no per-step table from the controller")
     args = p.parse_args(argv)
@@ -99,7 +102,9 @@ class Children:
                 p.wait(timeout=10)
 
 
-def _wait_for_file(path: str, what: str, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+def _wait_for_file(
+    path: str, what: str, procs: list[subprocess.Popen[bytes]], timeout: float
+) -> None:
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         for p in procs:
@@ -156,12 +161,23 @@ def run(args: argparse.Namespace) -> int:
             controller = children.start(
                 "controller",
                 [
-                    py, "-m", "areal_stream.controller", "--config", config_path,
-                    "--bind", "tcp://127.0.0.1:0", "--control", "tcp://127.0.0.1:0",
-                    "--ready-file", ready, "--seal-timeout", str(args.seal_timeout),
-                    "--log-level", "WARNING",
+                    py,
+                    "-m",
+                    "areal_stream.controller",
+                    "--config",
+                    config_path,
+                    "--bind",
+                    "tcp://127.0.0.1:0",
+                    "--control",
+                    "tcp://127.0.0.1:0",
+                    "--ready-file",
+                    ready,
+                    "--seal-timeout",
+                    str(args.seal_timeout),
+                    "--log-level",
+                    "WARNING",
                 ],
-            )  # fmt: skip
+            )
             _wait_for_file(ready, "controller", [controller], 60)
             with open(ready) as f:
                 addr = json.load(f)
@@ -170,10 +186,22 @@ def run(args: argparse.Namespace) -> int:
             worker_ready = []
             for i in range(args.workers):
                 argv = [
-                    py, "-m", "areal_stream.demo._worker", "--data", addr["data"],
-                    "--control", addr["control"], "--worker-id", f"rollout-{i}",
-                    "--workflows", str(args.workflows_per_worker), "--seed", str(i),
-                ]  # fmt: skip
+                    py,
+                    "-m",
+                    "areal_stream.demo._worker",
+                    "--data",
+                    addr["data"],
+                    "--control",
+                    addr["control"],
+                    "--worker-id",
+                    f"rollout-{i}",
+                    "--workflows",
+                    str(args.workflows_per_worker),
+                    "--seed",
+                    str(i),
+                    "--eval-fraction",
+                    str(args.eval_fraction),
+                ]
                 path = os.path.join(tmp, f"worker{i}.ready")
                 argv += ["--ready-file", path]
                 if args.eval_before_train:
@@ -191,11 +219,23 @@ def run(args: argparse.Namespace) -> int:
                 children.start(
                     f"trainer-{r}",
                     [
-                        py, "-m", "areal_stream.demo._trainer", "--rank", str(r), "--world", "2",
-                        "--store", store, "--data", addr["data"], "--steps", str(args.steps),
-                        "--step-seconds", str(args.step_seconds),
+                        py,
+                        "-m",
+                        "areal_stream.demo._trainer",
+                        "--rank",
+                        str(r),
+                        "--world",
+                        "2",
+                        "--store",
+                        store,
+                        "--data",
+                        addr["data"],
+                        "--steps",
+                        str(args.steps),
+                        "--step-seconds",
+                        str(args.step_seconds),
                     ],
-                )  # fmt: skip
+                )
                 for r in range(2)
             ]
             print(f"[demo] 2 training ranks (gloo) running {args.steps} steps")

@@ -50,7 +50,9 @@ def demo_flops_factory(config: Any) -> Any:
     return total_training_flops
 
 
-def fake_batch(gen: torch.Generator, step: int, batch: int = 16, seqlen: int = 256) -> dict[str, Any]:
+def fake_batch(
+    gen: torch.Generator, step: int, batch: int = 16, seqlen: int = 256
+) -> dict[str, Any]:
     """Random tensors shaped like a packed PPO batch (prompt + response + padding)."""
     prompt = torch.randint(16, 64, (batch,), generator=gen)
     resp = torch.randint(32, seqlen - 64, (batch,), generator=gen)
@@ -127,7 +129,9 @@ def main(argv: list[str] | None = None) -> None:
                     ids = torch.multinomial(w.expand(tokens, -1), TOP_K, generator=gen)
                     moe.record(layer, expert_ids=ids, num_experts=N_EXPERTS)
                 time.sleep(max(0.0, args.step_seconds - (time.monotonic() - t0)))
-            stats_tracker.scalar(learning_rate=1e-6 * (1 + step) ** -0.5, grad_norm=1.0 / (1 + step))
+            stats_tracker.scalar(
+                learning_rate=1e-6 * (1 + step) ** -0.5, grad_norm=1.0 / (1 + step)
+            )
             extra = meter.export(dp_group=dist.group.WORLD, group=dist.group.WORLD)
             extra.update(moe.export(reduce_group=dist.group.WORLD))
             train.commit(step, epoch=0, epoch_step=step, extra=extra)

@@ -38,7 +38,9 @@ class FakeEngine:
         return base * (0.8 if is_eval else 1.0)
 
 
-async def rlvr_workflow(engine: FakeEngine, rng: random.Random, task_id: int, is_eval: bool) -> float:
+async def rlvr_workflow(
+    engine: FakeEngine, rng: random.Random, task_id: int, is_eval: bool
+) -> float:
     """One episode: generate, score, record (the way AReaL's RLVRWorkflow records)."""
     workflow_context.set(workflow_context.WorkflowContext(is_eval=is_eval, task_id=task_id))
     prompt_len = rng.randint(32, 256)

@@ -1,0 +1,97 @@
+"""The main job end to end: real controller, worker processes and gloo trainers."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TRAIN_KEYS = (
+    "ppo_actor/advantages/avg",
+    "ppo_actor/n_valid_tokens",
+    "ppo_actor/update/loss/avg",
+    "ppo_actor/train_infer/kl_k3",
+    "ppo_actor/advantage_positive_fraction",
+    "ppo_actor/update/version_stats/sample_staleness_theta_avg",
+    "train_perf/tokens",
+    "train_perf/estimated_flops_per_second",
+    "moe_balance/layer_0/max_over_ideal",
+    "learning_rate",
+)
+
+
+def _journal(root: Path) -> list[dict[str, object]]:
+    (path,) = glob.glob(str(root / "logs" / "*" / "*" / "*" / "stats.jsonl"))
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_demo_runs_every_part(tmp_path: Path) -> None:
+    argv = [
+        sys.executable, "-m", "areal_stream.demo", "--steps", "3", "--workers", "2",
+        "--workflows-per-worker", "8", "--fileroot", str(tmp_path), "--eval-before-train",
+        "--step-seconds", "0.2", "--quiet", "--trial-name", "t", "--eval-fraction", "0",
+    ]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "tensorboard --logdir" in out.stdout
+    rows = _journal(tmp_path)
+    train_rows = [r for r in rows if "ppo_actor/update/loss/avg" in r["stats"]]  # type: ignore[operator]
+    assert [r["global_step"] for r in train_rows] == [0, 1, 2]
+    for r in train_rows:
+        stats = r["stats"]
+        assert isinstance(stats, dict)
+        for k in TRAIN_KEYS:
+            assert k in stats, k
+        assert stats["bus/missing_workers"] == 0
+        assert not any(k.endswith("__count") for k in stats)
+    # With no eval workflows during training, eval metrics come only from the evaluation
+    # round before training, and arrive with step 0.
+    first = train_rows[0]["stats"]
+    assert isinstance(first, dict)
+    assert 0.0 <= first["eval-rollout/reward"] <= 1.0
+    assert all("eval-rollout/reward" not in r["stats"] for r in rows[1:])  # type: ignore[operator]
+    assert glob.glob(
+        str(tmp_path / "logs" / "*" / "*" / "t" / "**" / "events.out.tfevents.*"), recursive=True
+    )
+
+
+def test_demo_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    argv = [
+        sys.executable, "-m", "areal_stream.demo", "--steps", "200", "--workers", "2",
+        "--workflows-per-worker", "4", "--fileroot", str(tmp_path), "--quiet",
+        "--step-seconds", "0.2", "--trial-name", "t",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    pgid = os.getpgid(proc.pid)
+    try:
+        deadline = time.monotonic() + 120
+        while not (glob.glob(str(tmp_path / "logs/*/*/t/stats.jsonl")) and _journal(tmp_path)):
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            assert time.monotonic() < deadline, "no step committed in time"
+            time.sleep(0.1)
+        os.killpg(pgid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        proc.wait(timeout=60)
+        assert proc.returncode in (130, 0, 1), proc.returncode
+        deadline = time.monotonic() + 20
+        while True:  # the whole process group must be gone: no orphans
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, "child processes survived Ctrl-C"
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        if proc.stdout:
+            proc.stdout.close()
+        proc.wait(timeout=10)
