@@ -14,6 +14,11 @@ __version__ = "0.1.0"
 _LAZY = {
     "stats_tracker": ("areal_stream.stats_tracker", None),
     "workflow_context": ("areal_stream.workflow_context", None),
+    "config": ("areal_stream.config", None),
+    "flops": ("areal_stream.flops", None),
+    "moe_metrics": ("areal_stream.moe_metrics", None),
+    "train_perf": ("areal_stream.train_perf", None),
+    "training_metrics": ("areal_stream.training_metrics", None),
     "merge_worker_stats": ("areal_stream._merge", "merge_worker_stats"),
     "Table": ("areal_stream._table", "Table"),
     "StatsLogger": ("areal_stream.stats_logger", "StatsLogger"),
@@ -24,7 +29,15 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:
-    from areal_stream import stats_tracker, workflow_context
+    from areal_stream import (
+        config,
+        flops,
+        moe_metrics,
+        stats_tracker,
+        train_perf,
+        training_metrics,
+        workflow_context,
+    )
     from areal_stream._merge import merge_worker_stats
     from areal_stream._table import Table
     from areal_stream.stats_logger import StatsLogger
