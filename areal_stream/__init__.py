@@ -26,9 +26,22 @@ _LAZY = {
     "TrainStream": ("areal_stream.streams", "TrainStream"),
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "RolloutStream",
+    "StatsLogger",
+    "Table",
+    "TrainStream",
+    "config",
+    "flops",
+    "merge_worker_stats",
+    "moe_metrics",
+    "stats_tracker",
+    "train_perf",
+    "training_metrics",
+    "workflow_context",
+]
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the lazy names, for type checkers
     from areal_stream import (
         config,
         flops,

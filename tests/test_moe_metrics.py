@@ -504,10 +504,7 @@ def test_export_read_back_from_tensorboard_and_wandb(tmp_path: Path) -> None:
             key = f"moe_balance/layer_{layer}/max_over_ideal"
             assert scalars[key][step] == float(np.float32(ref[key]))
             assert history[step][key] == pytest.approx(ref[key], rel=1e-12)
-        pointer = {
-            k[len(TABLE) + 1 :]: v for k, v in history[step].items() if k.startswith(TABLE + "/")
-        }
-        table = read_wandb_table(log_dir, pointer)
+        table = read_wandb_table(log_dir, history[step], TABLE)
         assert table["columns"] == ["layer", "expert", "tokens", "load_percent"]
         assert len(table["data"]) == len(ref[TABLE]) == 4 + 3 + 2
         for got, want in zip(table["data"], ref[TABLE], strict=True):
