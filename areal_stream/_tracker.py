@@ -281,12 +281,16 @@ class DistributedStatsTracker:
                         f"{mask.device}"
                     )
                 self._check_kind(prefix + k, reduce_type)
+            # Only the statistics the reduce type exports are computed (min/max passes
+            # cost as much as the sum).
+            need_lo = reduce_type in (ReduceType.AVG_MIN_MAX, ReduceType.MIN)
+            need_hi = reduce_type in (ReduceType.AVG_MIN_MAX, ReduceType.MAX)
+            w = mask.sum(dtype=torch.float64)
             for k, v in kwargs.items():
                 x = v.detach()
                 s = torch.where(mask, x, 0).sum(dtype=torch.float64)
-                w = mask.sum(dtype=torch.float64)
-                lo = torch.where(mask, x, math.inf).amin().to(torch.float64)
-                hi = torch.where(mask, x, -math.inf).amax().to(torch.float64)
+                lo = torch.where(mask, x, math.inf).amin().to(torch.float64) if need_lo else None
+                hi = torch.where(mask, x, -math.inf).amax().to(torch.float64) if need_hi else None
                 self._fold_tensor(prefix + k, reduce_type, s, w, lo, hi)
                 if reduce_group is not None:
                     self._groups[prefix + k] = reduce_group
@@ -325,8 +329,9 @@ class DistributedStatsTracker:
             return
         acc = held[1]
         acc.sw = acc.sw + sw
-        if lo is not None and hi is not None:
+        if lo is not None:
             acc.lo = lo if acc.lo is None else torch.minimum(acc.lo, lo)
+        if hi is not None:
             acc.hi = hi if acc.hi is None else torch.maximum(acc.hi, hi)
 
     # -- folding and export -----------------------------------------------------------
