@@ -14,7 +14,8 @@ Producer frames (worker / trainer -> controller, one ZMQ PUSH stream per produce
 - ``hb``     heartbeat, ``bye`` clean close
 - ``train``  one training step's exported stats (numbers and tagged tables)
 
-Controller frames (control PUB): ``seal`` (step), ``committed`` (step), ``byeack``.
+Controller frames (control PUB): ``seal`` (step), ``committed`` (step), ``welcome`` (answer
+to a hello), ``byeack``.
 
 A table travels as the tagged map ``{"__table__": 1, "columns", "rows", "index",
 "heatmap"}``; :func:`decode` returns it as :class:`TableData` so ``bus`` never needs the
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import msgpack
 
@@ -61,7 +62,7 @@ class TableData:
     heatmap: str | None = None
 
 
-StatValue = Union[float, int, bool, TableData]
+StatValue = float | int | bool | TableData
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,15 @@ class ByeAck:
     inc: str
 
 
-Message = Union[Hello, Batch, Heartbeat, Bye, Train, Seal, Committed, ByeAck]
+@dataclass(frozen=True)
+class Welcome:
+    """The controller has registered this producer (answer to ``hello``)."""
+
+    src: str
+    inc: str
+
+
+Message = Hello | Batch | Heartbeat | Bye | Train | Seal | Committed | ByeAck | Welcome
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -212,6 +221,10 @@ def encode_committed(step: int) -> bytes:
 
 def encode_byeack(src: str, inc: str) -> bytes:
     return _pack({"v": VERSION, "t": "byeack", "src": src, "inc": inc})
+
+
+def encode_welcome(src: str, inc: str) -> bytes:
+    return _pack({"v": VERSION, "t": "welcome", "src": src, "inc": inc})
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -331,7 +344,6 @@ def decode(
             use_list=True,
             strict_map_key=True,
             ext_hook=_refuse_ext,
-            max_buffer_size=max(max_bytes, 1),
             max_str_len=max(MAX_KEY_LEN, 64 * 1024),
             max_bin_len=0,
             max_array_len=max(MAX_TABLE_CELLS, 16),
@@ -383,4 +395,6 @@ def decode(
         return Committed(_int(obj, "step"))
     if t == "byeack":
         return ByeAck(_str(obj, "src"), _str(obj, "inc"))
+    if t == "welcome":
+        return Welcome(_str(obj, "src"), _str(obj, "inc"))
     raise DecodeError("schema", f"unknown message type {t!r:.40}")
