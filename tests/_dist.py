@@ -26,9 +26,7 @@ def _entry(
 
     try:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(
-            "gloo", init_method=f"file://{store}", rank=rank, world_size=world
-        )
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         try:
             q.put((rank, True, fn(rank, world, *args)))
         finally:
