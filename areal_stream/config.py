@@ -306,7 +306,9 @@ _NESTED: dict[tuple[type, str], type] = {
 }
 
 
-def load_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> StatsLoggerConfig:
+def load_config(
+    source: str | os.PathLike[str] | Mapping[str, Any] | StatsLoggerConfig,
+) -> StatsLoggerConfig:
     """Read and validate the ``stats_logger:`` block from a YAML path or a mapping.
 
     A ``StatsLoggerConfig`` passed in is validated and returned as is.

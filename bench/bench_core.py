@@ -222,7 +222,7 @@ def _export_rank(rank: int, world: int, keys: list[int], reps: int) -> dict[str,
         for _ in range(reps):
             stats_tracker.denominator(m=mask)
             for i in range(k_count):
-                stats_tracker.stat(**{f"k{i}": x}, denominator="m")
+                stats_tracker.stat("m", None, **{f"k{i}": x})
             calls.clear()
             dist.barrier()
             t0 = time.perf_counter()

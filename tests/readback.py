@@ -174,7 +174,7 @@ def read_wandb_records(root: str | os.PathLike[str], wait_exit: float = 15.0) ->
     while True:
         records = []
         for payload in leveldb_log_records(path, b":W&B"):
-            rec = pb.Record()
+            rec = pb.Record()  # type: ignore[attr-defined]
             rec.ParseFromString(payload)
             records.append(rec)
         if any(r.WhichOneof("record_type") == "exit" for r in records):

@@ -146,7 +146,7 @@ def test_bad_input_raises_and_writes_nothing(tmp_path: Path) -> None:
         with pytest.raises(TypeError, match=r"stats\['v'\]"):
             logger.commit(0, 0, 0, [{"ok": 1.0}, {"v": [1, 2]}])  # second dict bad: none kept
         with pytest.raises(TypeError, match="keys must be non-empty strings"):
-            logger.commit(0, 0, 0, {3: 1.0})
+            logger.commit(0, 0, 0, {3: 1.0})  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="must be integers"):
             logger.commit(0, 0, 1.5, {"a": 1.0})  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="item 0 is int"):
@@ -327,7 +327,7 @@ def test_embedded_default_tensorboard_and_console(
 
 
 def _rank_fn(rank: int, world: int, root: str) -> dict[str, Any]:
-    config = {
+    config: dict[str, Any] = {
         "experiment_name": "exp",
         "trial_name": "t",
         "fileroot": os.path.join(root, str(rank)),

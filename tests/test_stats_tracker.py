@@ -156,7 +156,7 @@ def test_float64_accumulation() -> None:
             "SCALAR",
         ),
         (
-            lambda: stats_tracker.stat(x=torch.ones(3), denominator="m", reduce_type="avg"),
+            lambda: stats_tracker.stat(x=torch.ones(3), denominator="m", reduce_type="avg"),  # type: ignore[arg-type]
             TypeError,
             "reduce_type",
         ),
