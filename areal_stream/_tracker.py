@@ -24,7 +24,7 @@ import torch
 
 from areal_stream._errors import StatsInputError
 from areal_stream._export import Entry, TensorAcc, reduce_entries
-from bus import Record, ReduceType, project
+from bus import Record, ReduceType, merge_into, project
 from bus._aggregate import output_keys
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -522,13 +522,29 @@ def export_all(reduce_group: Any = None, reset: bool = True) -> dict[str, float]
 
 
 def take_records() -> dict[str, tuple[ReduceType, Record]]:
-    """Remove and return every tracker's records (for streaming); masks stay."""
+    """Remove and return every tracker's records (for streaming); masks stay.
+
+    A key recorded by two trackers with one reduce type is merged (the controller would
+    merge it anyway); with two reduce types it is an error and nothing is removed.
+    """
     trackers = REGISTRY.unique()
     with _Locks(trackers):
-        records = reduce_entries(_all_entries(trackers), None)
+        out: dict[str, tuple[ReduceType, Record]] = {}
+        for t in trackers:
+            for k, (rtype, rec) in reduce_entries(t._entries(), None).items():
+                held = out.get(k)
+                if held is None:
+                    out[k] = (rtype, rec)
+                elif held[0] is rtype:
+                    merge_into(held[1], rec)
+                else:
+                    raise ValueError(
+                        f"key `{k}` is recorded as {held[0].name} and as {rtype.name} by "
+                        "two trackers; rename one of them"
+                    )
         for t in trackers:
             t._clear(denominators=False)
-        return records
+        return out
 
 
 def pending_events() -> int:

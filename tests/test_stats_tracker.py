@@ -380,3 +380,11 @@ def test_merge_worker_stats_matches_the_spec() -> None:
     assert merge_worker_stats([merge_worker_stats(workers[:2]), workers[2]]) == out
     with pytest.raises(ValueError, match="lonely"):
         merge_worker_stats([{"lonely": 1.0}])
+
+
+def test_take_records_merges_a_key_recorded_by_two_trackers() -> None:
+    with stats_tracker.scope("rollout"):
+        stats_tracker.scalar(reward=1.0)
+    stats_tracker.get("rollout").scalar(reward=0.0)
+    recs = stats_tracker.take_records()
+    assert recs["rollout/reward"] == (ReduceType.SCALAR, [1.0, 2.0, math.inf, -math.inf])

@@ -54,69 +54,21 @@ _COUNT = "__count"
 
 
 class Sink(Protocol):
-    """Where committed steps go (``StatsLogger`` or the journal stand-in)."""
+    """Where committed steps go (a ``StatsLogger``; tests may pass their own)."""
 
     def commit(self, epoch: int, step: int, global_step: int, data: Mapping[str, Any]) -> None: ...
 
     def close(self) -> None: ...
 
 
-class JournalSink:
-    """Minimal stand-in for ``StatsLogger``: one JSON line per committed step.
-
-    ``<log_dir>/stats.jsonl``: ``{"global_step", "step", "epoch", "epoch_step", "stats"}``
-    with ``__count`` keys dropped; a table value is written as
-    ``{"__table__": {"columns", "rows", "index", "heatmap"}}`` (the journal's format).
-    Used only when ``areal_stream.stats_logger`` cannot be imported.
-    """
-
-    def __init__(self, log_dir: str) -> None:
-        os.makedirs(log_dir, exist_ok=True)
-        self.path = os.path.join(log_dir, "stats.jsonl")
-        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-
-    def commit(self, epoch: int, step: int, global_step: int, data: Mapping[str, Any]) -> None:
-        stats: dict[str, Any] = {}
-        for k, v in data.items():
-            if k.endswith(_COUNT):
-                continue
-            if isinstance(v, Table):
-                v = {
-                    "__table__": {
-                        "columns": list(v.columns),
-                        "rows": [list(r) for r in v.rows],
-                        "index": list(v.index),
-                        "heatmap": v.heatmap,
-                    }
-                }
-            stats[k] = v
-        line = {
-            "global_step": global_step,
-            "step": step,
-            "epoch": epoch,
-            "epoch_step": step,
-            "stats": stats,
-        }
-        self._f.write(json.dumps(line, allow_nan=True) + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
-
-
 def make_sink(config_path: str | None) -> Sink:
-    """The real ``StatsLogger`` when available, else the journal stand-in."""
+    """The ``StatsLogger`` for the run's config (journal first, then every backend)."""
     from areal_stream.config import load_config
+    from areal_stream.stats_logger import StatsLogger
 
     if config_path is None:
         raise ValueError("--config is required (the YAML with the stats_logger: block)")
-    cfg = load_config(config_path)
-    try:
-        from areal_stream.stats_logger import StatsLogger  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        log.info("areal_stream.stats_logger not available: writing the JSONL journal only")
-        return JournalSink(cfg.log_dir())
-    sink: Sink = StatsLogger(cfg)
+    sink: Sink = StatsLogger(load_config(config_path))
     return sink
 
 
