@@ -21,8 +21,7 @@ try:
 except ModuleNotFoundError:  # running from a checkout without an installed package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areal_stream.controller import ControllerProcess
-from areal_stream.controller._service import _child_env
+from areal_stream.controller import ControllerProcess, child_env
 
 HERE = Path(__file__).resolve().parent
 
@@ -47,7 +46,7 @@ def main() -> None:
                         [sys.executable, str(HERE / "rollout_worker.py"), "--data", ctrl.data,
                          "--control", ctrl.control, "--worker-id", f"rollout-{i}",
                          "--seconds", str(args.seconds), "--flows", "16", "--seed", str(i)],
-                        env=_child_env(),
+                        env=child_env(),
                     ))  # fmt: skip
                 for proc in procs:
                     if proc.wait(args.seconds + 120) != 0:

@@ -27,8 +27,7 @@ except ModuleNotFoundError:  # running from a checkout without an installed pack
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from areal_stream import TrainStream, stats_tracker
-from areal_stream.controller import ControllerProcess
-from areal_stream.controller._service import _child_env
+from areal_stream.controller import ControllerProcess, child_env
 
 HERE = Path(__file__).resolve().parent
 
@@ -69,7 +68,7 @@ def main() -> None:
                 [sys.executable, str(HERE / "rollout_worker.py"), "--data", ctrl.data,
                  "--control", ctrl.control, "--worker-id", "rollout-0",
                  "--seconds", str(seconds), "--ready-file", str(ready)],
-                env=_child_env(),
+                env=child_env(),
             )  # fmt: skip
             try:
                 while not ready.exists():  # start training once the worker streams

@@ -5,9 +5,9 @@ address; it announces seals and commit notices on its control address, merges ea
 global step's train report with the rollout window sealed for it, and commits the step.
 """
 
+from areal_stream.controller._process import ControllerProcess, child_env
 from areal_stream.controller._service import (
     ControllerOptions,
-    ControllerProcess,
     ControllerService,
     Sink,
     assemble,
@@ -21,6 +21,7 @@ __all__ = [
     "ControllerService",
     "Sink",
     "assemble",
+    "child_env",
     "combine",
     "make_sink",
 ]

@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from areal_stream.controller import ControllerProcess
+
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -154,33 +156,17 @@ def run(args: argparse.Namespace) -> int:
     journal = os.path.join(log_dir, "stats.jsonl")
     py = sys.executable
     children = Children()
+    ctrl: ControllerProcess | None = None
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="areal_stream_demo_") as tmp:
         try:
-            ready = os.path.join(tmp, "controller.json")
-            controller = children.start(
-                "controller",
-                [
-                    py,
-                    "-m",
-                    "areal_stream.controller",
-                    "--config",
-                    config_path,
-                    "--bind",
-                    "tcp://127.0.0.1:0",
-                    "--control",
-                    "tcp://127.0.0.1:0",
-                    "--ready-file",
-                    ready,
-                    "--seal-timeout",
-                    str(args.seal_timeout),
-                    "--log-level",
-                    "WARNING",
-                ],
-            )
-            _wait_for_file(ready, "controller", [controller], 60)
-            with open(ready) as f:
-                addr = json.load(f)
+            ctrl = ControllerProcess(
+                config_path,
+                seal_timeout=args.seal_timeout,
+                extra_args=("--log-level", "WARNING"),
+            ).start()
+            controller = ctrl.proc
+            addr = {"data": ctrl.data, "control": ctrl.control}
             print(f"[demo] controller listening on {addr['data']} (control {addr['control']})")
 
             worker_ready = []
@@ -258,16 +244,18 @@ def run(args: argparse.Namespace) -> int:
             for p in trainers:
                 p.wait(timeout=60)
             children.stop([f"rollout-{i}" for i in range(args.workers)])
-            children.stop(["controller"], grace=60)
+            if ctrl.stop(timeout=60) != 0:
+                raise RuntimeError(f"the controller exited with code {controller.returncode}")
             rows, offset = _read_journal(journal, offset)
             for row in rows:
                 print(f"[demo] final window committed as step {row['global_step']}")
         except KeyboardInterrupt:
             print("\n[demo] interrupted: stopping every process", file=sys.stderr)
-            children.stop(grace=15)
             return 130
         finally:
             children.stop(grace=15)
+            if ctrl is not None:
+                ctrl.stop(timeout=30)
     print(f"\n[demo] done in {time.monotonic() - t0:.1f}s. Logs: {log_dir}")
     print(f"  journal:     {journal}")
     if not args.no_tensorboard:
