@@ -36,7 +36,22 @@ def _machine() -> str:
     )
 
 
+def _update_readme(report: str) -> None:
+    """Replace the README's benchmark section (between its two markers) with ``report``."""
+    path = os.path.join(os.path.dirname(HERE), "README.md")
+    start, end = "<!-- bench-table -->", "<!-- /bench-table -->"
+    with open(path) as f:
+        text = f.read()
+    a, b = text.index(start) + len(start), text.index(end)
+    body = report.replace("# areal_stream benchmarks", "Latest `./dev bench` run:", 1)
+    body = body.replace("\n### ", "\n#### ").replace("\n## ", "\n### ")
+    with open(path, "w") as f:
+        f.write(text[:a] + "\n" + body.strip() + "\n" + text[b:])
+
+
 def main(argv: list[str]) -> int:
+    readme = "--readme" in argv
+    argv = [a for a in argv if a != "--readme"]
     names = sorted(
         m.name[len("bench_") :] for m in pkgutil.iter_modules([HERE]) if m.name.startswith("bench_")
     )
@@ -63,6 +78,9 @@ def main(argv: list[str]) -> int:
     with open(out, "w") as f:
         f.write("\n".join(parts))
     print(f"report written to {out}")
+    if readme and not failed:
+        _update_readme("\n".join(parts))
+        print("README.md updated")
     return 1 if failed else 0
 
 
