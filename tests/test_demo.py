@@ -36,7 +36,7 @@ def test_demo_runs_every_part(tmp_path: Path) -> None:
     argv = [
         sys.executable, "-m", "areal_stream.demo", "--steps", "3", "--workers", "2",
         "--workflows-per-worker", "8", "--fileroot", str(tmp_path), "--eval-before-train",
-        "--step-seconds", "0.2", "--quiet", "--trial-name", "t", "--eval-fraction", "0",
+        "--step-seconds", "0.2", "--trial-name", "t", "--eval-fraction", "0",
     ]  # fmt: skip
     out = subprocess.run(argv, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -65,8 +65,7 @@ def test_demo_runs_every_part(tmp_path: Path) -> None:
 def test_demo_ctrl_c_stops_everything(tmp_path: Path) -> None:
     argv = [
         sys.executable, "-m", "areal_stream.demo", "--steps", "200", "--workers", "2",
-        "--workflows-per-worker", "4", "--fileroot", str(tmp_path), "--quiet",
-        "--step-seconds", "0.2", "--trial-name", "t",
+        "--workflows-per-worker", "4", "--fileroot", str(tmp_path),         "--step-seconds", "0.2", "--trial-name", "t",
     ]  # fmt: skip
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True

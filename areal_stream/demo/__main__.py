@@ -51,7 +51,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--eval-fraction", type=float, default=0.1, help="share of workflows run in eval mode"
     )
     p.add_argument("--seal-timeout", type=float, default=5.0)
-    p.add_argument("--quiet", action="store_true", help="no per-step table from the controller")
+    p.add_argument(
+        "--full-table",
+        action="store_true",
+        help="also print every key of every step (the controller's console table)",
+    )
     args = p.parse_args(argv)
     for name in ("steps", "workers", "workflows_per_worker"):
         if getattr(args, name) < 1:
@@ -69,7 +73,7 @@ def write_config(args: argparse.Namespace, trial: str, path: str) -> dict[str, A
         "wandb": {"mode": "offline" if args.wandb else "disabled", "project": "areal_stream"},
         "swanlab": {"mode": "offline" if args.swanlab else "disabled", "project": "areal_stream"},
         "trackio": {"mode": "local" if args.trackio else "disabled", "project": "areal_stream"},
-        "console": {"enabled": not args.quiet},
+        "console": {"enabled": bool(args.full_table)},
     }
     if args.no_tensorboard:
         block["tensorboard"] = {"path": None}
@@ -128,21 +132,39 @@ def _read_journal(path: str, offset: int) -> tuple[list[dict[str, Any]], int]:
     return [json.loads(line) for line in complete if line], offset + len(text) - len(rest)
 
 
-def _progress(row: dict[str, Any], steps: int, t0: float) -> str:
+COLUMNS = (
+    ("reward", "rollout/reward", "{:.3f}"),
+    ("eval", "eval-rollout/reward", "{:.3f}"),
+    ("loss", "ppo_actor/update/loss/avg", "{:+.4f}"),
+    ("kl_k3", "ppo_actor/train_infer/kl_k3", "{:.2e}"),
+    ("stale", "ppo_actor/update/version_stats/stale_token_fraction", "{:.2f}"),
+    ("tok/s", "train_perf/tokens_per_second", "{:,.0f}"),
+    ("TFLOP/s", "train_perf/estimated_flops_per_second", "{:.1f}"),
+    ("moe max/ideal", "moe_balance/layer_3/max_over_ideal", "{:.2f}"),
+    ("events", "bus/window_events", "{:,.0f}"),
+    ("missing", "bus/missing_workers", "{:.0f}"),
+)
+
+
+def _table_header() -> str:
+    return " ".join(["  step", "    time"] + [f"{name:>{_width(name)}}" for name, _, _ in COLUMNS])
+
+
+def _width(name: str) -> int:
+    return max(8, len(name))
+
+
+def _table_row(row: dict[str, Any], t0: float) -> str:
+    """One line per committed step: the demo's progress and its per-step table."""
     s = row["stats"]
-
-    def fmt(key: str) -> str:
+    cells = [f"{row['global_step']:>6}", f"{time.monotonic() - t0:7.1f}s"]
+    for name, key, fmt in COLUMNS:
         v = s.get(key)
-        return "-" if not isinstance(v, (int, float)) else f"{v:.3g}"
-
-    return (
-        f"[demo] step {row['global_step'] + 1}/{steps} committed at {time.monotonic() - t0:5.1f}s"
-        f"  rollout/reward={fmt('rollout/reward')}"
-        f"  eval-rollout/reward={fmt('eval-rollout/reward')}"
-        f"  ppo_actor/update/loss/avg={fmt('ppo_actor/update/loss/avg')}"
-        f"  train_perf/tokens_per_second={fmt('train_perf/tokens_per_second')}"
-        f"  bus/missing_workers={fmt('bus/missing_workers')}"
-    )
+        if isinstance(v, (int, float)) and key == "train_perf/estimated_flops_per_second":
+            v = v / 1e12
+        text = fmt.format(v) if isinstance(v, (int, float)) else "-"
+        cells.append(f"{text:>{_width(name)}}")
+    return " ".join(cells)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -224,7 +246,8 @@ def run(args: argparse.Namespace) -> int:
                 )
                 for r in range(2)
             ]
-            print(f"[demo] 2 training ranks (gloo) running {args.steps} steps")
+            print(f"[demo] 2 training ranks (gloo) running {args.steps} steps\n")
+            print(_table_header())
 
             offset, committed = 0, 0
             deadline = time.monotonic() + 120 + args.steps * (args.step_seconds + 5)
@@ -232,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
                 rows, offset = _read_journal(journal, offset)
                 for row in rows:
                     committed += 1
-                    print(_progress(row, args.steps, t0), flush=True)
+                    print(_table_row(row, t0), flush=True)
                 failed = [p.returncode for p in trainers if p.poll() not in (None, 0)]
                 if failed:
                     raise RuntimeError(f"a training rank failed with code {failed[0]}")
@@ -248,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
                 raise RuntimeError(f"the controller exited with code {controller.returncode}")
             rows, offset = _read_journal(journal, offset)
             for row in rows:
-                print(f"[demo] final window committed as step {row['global_step']}")
+                print(_table_row(row, t0) + "  (rollout data after the last step)")
         except KeyboardInterrupt:
             print("\n[demo] interrupted: stopping every process", file=sys.stderr)
             return 130
