@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import getpass
+import glob
 import json
 import os
 import signal
@@ -176,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
     config_path = os.path.join(log_dir, "run.yaml")
     write_config(args, trial, config_path)
     journal = os.path.join(log_dir, "stats.jsonl")
+    if args.trackio:  # keep Trackio's database with the run's other logs
+        os.environ.setdefault("TRACKIO_DIR", os.path.join(log_dir, "trackio"))
     py = sys.executable
     children = Children()
     ctrl: ControllerProcess | None = None
@@ -286,9 +289,11 @@ def run(args: argparse.Namespace) -> int:
     if args.wandb:
         print(f"  W&B offline: wandb sync {os.path.join(log_dir, 'wandb', 'offline-run-*')}")
     if args.swanlab:
-        print("  SwanLab:     swanlab sync <the run folder under the log dir>")
+        for run_dir in sorted(glob.glob(os.path.join(log_dir, "run-*"))):
+            print(f"  SwanLab:     swanlab sync {run_dir}")
     if args.trackio:
-        print("  Trackio:     trackio show --project areal_stream")
+        tdir = os.environ["TRACKIO_DIR"]
+        print(f"  Trackio:     TRACKIO_DIR={tdir} trackio show --project areal_stream")
     return 0
 
 
