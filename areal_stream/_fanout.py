@@ -25,6 +25,17 @@ _FLUSH = object()
 _CLOSE = object()
 
 
+def _limit(timeout: float | None) -> float | None:
+    """A wait limit the threading primitives accept: ``None`` waits forever; NaN and
+    negatives mean 0; anything above ``threading.TIMEOUT_MAX`` (e.g. ``inf``, which would
+    raise ``OverflowError``) is capped to it."""
+    if timeout is None:
+        return None
+    if not timeout >= 0:  # NaN or negative
+        return 0.0
+    return min(float(timeout), threading.TIMEOUT_MAX)
+
+
 @dataclass(frozen=True)
 class WorkerStatistics:
     """Counters of one backend worker (cumulative)."""
@@ -90,13 +101,14 @@ class BackendWorker:
         with self._cond:
             if self._state in ("closed", "abandoned"):
                 return self._pending == 0
-            self._items.append(_FLUSH)
+            if not self._items or self._items[-1] is not _FLUSH:
+                self._items.append(_FLUSH)  # one marker is enough (a hung backend: no pile-up)
             self._cond.notify()
             return self._cond.wait_for(
                 lambda: (
                     (not self._items and not self._busy) or self._state in ("closed", "abandoned")
                 ),
-                timeout,
+                _limit(timeout),
             )
 
     def begin_close(self) -> None:
@@ -110,7 +122,7 @@ class BackendWorker:
     def join(self, deadline: float) -> bool:
         """Wait for the worker to finish until ``deadline`` (``time.monotonic()``); if it does
         not, count what is still queued as dropped and leave the thread behind."""
-        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self._thread.join(_limit(deadline - time.monotonic()))
         if not self._thread.is_alive():
             return True
         with self._cond:
@@ -219,10 +231,11 @@ class Fanout:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Flush every backend, waiting up to ``timeout`` seconds in total."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        limit = _limit(timeout)
+        deadline = None if limit is None else time.monotonic() + limit
         ok = True
         for w in self.workers:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            left = None if deadline is None else deadline - time.monotonic()
             ok = w.flush(left) and ok
         return ok
 
@@ -230,7 +243,7 @@ class Fanout:
         """Close all backends concurrently, each given ``timeout`` seconds from now."""
         for w in self.workers:
             w.begin_close()
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (_limit(timeout) or 0.0)
         ok = True
         for w in self.workers:
             ok = w.join(deadline) and ok

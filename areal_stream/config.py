@@ -20,7 +20,7 @@ Keys (AReaL's names, plus a few of ours marked *)::
       trackio:   {mode: local|online|disabled (default), project, name, space_id}
       console*:  {enabled: true, max_rows: 0}        # per-step table on stdout; 0 = all rows
       queue_size*: 1024        # steps buffered per backend before that backend drops steps
-      close_timeout*: 60.0     # seconds per backend for close() to flush and finish
+      close_timeout*: 60.0     # seconds (finite) per backend for close() to flush and finish
 
 TensorBoard: a missing ``tensorboard`` block (or ``path: auto``) writes to
 ``<log_dir>/tensorboard`` - the embedded default, so a run with no backend configured still
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import getpass
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -184,17 +185,30 @@ def _fail(key: str, msg: str) -> ValueError:
     return ValueError(f"{key}: {msg}")
 
 
+# Fields whose value must never be echoed, even in an error message about its type.
+_SECRET_FIELDS = frozenset({"wandb_api_key", "api_key"})
+
+
+def _shown(value: Any, key: str) -> str:
+    """``repr(value)`` for an error message, or a placeholder when ``key`` names a secret."""
+    return REDACTED if key.rsplit(".", 1)[-1] in _SECRET_FIELDS else repr(value)
+
+
 def _check_str(value: Any, key: str, *, optional: bool) -> None:
     if value is None and optional:
         return
     if not isinstance(value, str):
         want = "a string or null" if optional else "a string"
-        raise _fail(key, f"expected {want}, got {type(value).__name__} {value!r}")
+        raise _fail(key, f"expected {want}, got {type(value).__name__} {_shown(value, key)}")
 
 
 def _check_field(value: Any, key: str, annotation: str) -> None:
     """Type-check one dataclass field against its (string) annotation."""
-    if annotation == "str":
+    nested = _NESTED_BY_NAME.get(annotation)
+    if nested is not None:  # a nested block set programmatically to something else
+        if not isinstance(value, nested):
+            raise _fail(key, f"expected a {nested.__name__}, got {type(value).__name__}")
+    elif annotation == "str":
         _check_str(value, key, optional=False)
     elif annotation == "str | None":
         _check_str(value, key, optional=True)
@@ -215,8 +229,10 @@ def _check_field(value: Any, key: str, annotation: str) -> None:
     elif annotation == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _fail(key, f"expected a number, got {value!r}")
-    else:  # nested dataclass: checked by the caller
-        pass
+        if not math.isfinite(value):
+            raise _fail(key, f"expected a finite number, got {value!r}")
+    else:
+        raise AssertionError(f"{key}: no check for annotation {annotation!r}")
 
 
 def _check_mode(value: str, key: str, allowed: tuple[str, ...]) -> None:
@@ -259,10 +275,9 @@ def _check_dataclass(obj: Any, prefix: str) -> None:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         key = f"{prefix}.{f.name}"
-        if dataclasses.is_dataclass(value):
+        _check_field(value, key, str(f.type))
+        if str(f.type) in _NESTED_BY_NAME:
             _check_dataclass(value, key)
-        else:
-            _check_field(value, key, str(f.type))
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:
@@ -304,6 +319,7 @@ _NESTED: dict[tuple[type, str], type] = {
     (StatsLoggerConfig, "trackio"): TrackioConfig,
     (StatsLoggerConfig, "console"): ConsoleConfig,
 }
+_NESTED_BY_NAME: dict[str, type] = {cls.__name__: cls for cls in _NESTED.values()}
 
 
 def load_config(

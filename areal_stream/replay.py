@@ -11,11 +11,12 @@ recorded ``step``, in file order, Tables rebuilt from their ``__table__`` form. 
 are those the config enables explicitly, or the ones named in ``--only``: the embedded
 TensorBoard default (no ``tensorboard`` block) is *not* used here, so a replay never writes a
 second copy into the original run's TensorBoard folder; give ``tensorboard.path`` to get it.
-The console is off unless ``--console``. No journal is written.
+The console is off unless ``--console``. No journal is written. A torn last line (the run
+was killed while writing it: it was never fully committed) is skipped with a note on stderr.
 
 W&B only accepts increasing steps within a run: replaying into the original run id (same
-experiment, trial and ``id_suffix``) adds nothing below its last step, so use another
-``id_suffix`` (or ``name``) for the replayed run.
+experiment, trial and ``id_suffix``) refuses every step below the run's last one (counted as
+wandb errors, exit status 1), so use another ``id_suffix`` for the replayed run.
 
 Exit status: 0 when every step reached every backend; 1 when some backend reported errors
 or dropped steps (printed per backend); 2 for bad arguments, config or journal.
@@ -26,7 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from areal_stream._backends import create_backends, registered_backends
 from areal_stream._backends.jsonl import read_journal
@@ -46,6 +47,13 @@ def _select(config: StatsLoggerConfig, only: set[str] | None, console: bool) -> 
     return cfg
 
 
+def _report_torn(journal: str) -> Callable[[int, str], None]:
+    def report(line: int, reason: str) -> None:
+        print(f"replay: {journal}:{line}: {reason}", file=sys.stderr)
+
+    return report
+
+
 def replay(
     journal: str,
     config: StatsLoggerConfig,
@@ -56,8 +64,9 @@ def replay(
 ) -> dict[str, tuple[int, int, int]]:
     """Replay ``journal`` to the backends ``config`` enables (see the module doc); returns
     ``{backend: (logged, errors, dropped)}``. The journal is parsed fully before anything is
-    sent, so a bad line sends nothing (``ValueError`` with its line number)."""
-    records = list(read_journal(journal))
+    sent, so a bad line sends nothing (``ValueError`` with its line number); a torn last line
+    (the run was killed while writing it) is skipped with a note on stderr."""
+    records = list(read_journal(journal, on_torn_tail=_report_torn(journal)))
     cfg = _select(config, only, console)
     backends = create_backends(cfg, cfg.log_dir(), only=only)
     if only is not None:

@@ -91,17 +91,24 @@ def _as_config(config: Any) -> StatsLoggerConfig:
     )
 
 
+def _size(value: Any) -> int | None:
+    """Element count of an array/tensor-like value (``numel()`` or ``.size``), else None."""
+    numel = getattr(value, "numel", None)
+    if callable(numel):
+        n = numel()
+    else:
+        n = getattr(value, "size", None)
+        if callable(n):
+            n = n()
+    return n if isinstance(n, int) else None
+
+
 def _scalar(value: Any) -> Any:
     """Python number for numpy scalars / one-element arrays and tensors, else unchanged."""
     item = getattr(value, "item", None)
     if item is None or isinstance(value, (int, float)):
         return value
-    size = getattr(value, "size", None)
-    n = size() if callable(size) else size
-    numel = getattr(value, "numel", None)
-    if callable(numel):
-        n = numel()
-    if n not in (None, 1):
+    if _size(value) not in (None, 1):
         return value
     return item()
 
@@ -119,9 +126,11 @@ def _normalise(key: Any, value: Any) -> Any:
         return value
     if isinstance(value, Table):
         return _normalise_table(key, value)
-    raise TypeError(
-        f"stats[{key!r}] must be a number or an areal_stream.Table, got {type(value).__name__}"
-    )
+    what = type(value).__name__
+    n = _size(value)
+    if n is not None:
+        what += f" with {n} elements (log one number: reduce it, or use a Table)"
+    raise TypeError(f"stats[{key!r}] must be a number or an areal_stream.Table, got {what}")
 
 
 def _normalise_table(key: str, table: Table) -> Table:
@@ -180,6 +189,8 @@ class StatsLogger:
                 raise ValueError(f"extra backend name must be a plain string, got {name!r}")
             if not callable(getattr(backend, "log", None)):
                 raise TypeError(f"extra backend {name!r} has no log() method")
+            if name in names:  # counters and statistics() are keyed by name
+                raise ValueError(f"extra backend name {name!r} is given twice")
             names.add(name)
         backends = create_backends(self.config, self.log_dir)  # objects only: no I/O yet
         clash = names & {n for n, _ in backends}
@@ -223,7 +234,14 @@ class StatsLogger:
                 f"epoch, step and global_step must be integers, got "
                 f"{epoch!r}, {step!r}, {global_step!r}"
             ) from None
-        items = [data] if isinstance(data, Mapping) else list(data)
+        if isinstance(data, Mapping):
+            items: list[Any] = [data]
+        elif isinstance(data, Iterable) and not isinstance(data, (str, bytes)):
+            items = list(data)
+        else:
+            raise TypeError(
+                f"commit data must be a dict or a list of dicts, got {type(data).__name__}"
+            )
         batches: list[dict[str, Any]] = []
         for i, item in enumerate(items):
             if not isinstance(item, Mapping):
@@ -281,10 +299,12 @@ class StatsLogger:
         if self._closed:
             return
         self._closed = True
-        if self._fanout is not None:
-            self._fanout.close(self.config.close_timeout)
-        if self._journal is not None:
-            self._journal.close()
+        try:
+            if self._fanout is not None:
+                self._fanout.close(self.config.close_timeout)
+        finally:
+            if self._journal is not None:
+                self._journal.close()
 
     async def aclose(self) -> None:
         """``close()`` on a worker thread, for callers inside an event loop."""

@@ -12,7 +12,8 @@ directory the backend wrote to and returns plain Python data:
   run's ``exit`` record (``run.finish()`` may return before the file holds everything);
   ``root`` may also be the ``.wandb`` file itself (when a dir holds several runs).
   ``read_wandb_config(root)``, ``read_wandb_run(root)`` (id/project/name),
-  ``read_wandb_table(root, history_row, key)`` (the table a history row points to).
+  ``read_wandb_table(root, history_row, key)`` (the table a history row points to),
+  ``read_wandb_artifact_table(root, name)`` (the rows of a ``run_table`` artifact).
 - ``read_swanlab_scalars(logdir)`` -> ``{key: {step: float}}`` from
   ``<logdir>/run-*/run-*.swanlab`` (or that file's path) via swanlab's ``DataStoreReader``;
   ``read_swanlab_config(logdir)`` -> the run's ``files/config.yaml`` as a dict.
@@ -49,6 +50,7 @@ __all__ = [
     "read_tensorboard_images",
     "read_tensorboard_scalars",
     "read_trackio_logs",
+    "read_wandb_artifact_table",
     "read_wandb_config",
     "read_wandb_history",
     "read_wandb_records",
@@ -247,6 +249,17 @@ def read_wandb_table(
         time.sleep(0.05)
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def read_wandb_artifact_table(root: str | os.PathLike[str], name: str) -> dict[str, Any]:
+    """The table JSON of the ``run_table`` artifact ``name`` (``run-<id>-<key>``) of the
+    offline run under ``root``, from the staged file its manifest points to."""
+    for rec in read_wandb_records(root):
+        if rec.WhichOneof("record_type") == "artifact" and rec.artifact.name == name:
+            (entry,) = rec.artifact.manifest.contents
+            with open(entry.local_path, encoding="utf-8") as f:
+                return json.load(f)
+    raise AssertionError(f"no artifact named {name!r}")
 
 
 # ------------------------------------------------------------------------------ SwanLab

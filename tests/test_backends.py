@@ -24,6 +24,7 @@ from readback import (
     read_tensorboard_images,
     read_tensorboard_scalars,
     read_trackio_logs,
+    read_wandb_artifact_table,
     read_wandb_config,
     read_wandb_history,
     read_wandb_run,
@@ -35,6 +36,11 @@ from areal_stream import Table
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 SECRETS = ("WANDB-SECRET-123", "SWAN-SECRET-456", "HF-SECRET-789")
+# credentials the child only has in its environment (wandb and swanlab read these themselves)
+ENV_SECRETS = {
+    "WANDB_API_KEY": "ENVWANDBSECRET" + "0" * 26,
+    "SWANLAB_API_KEY": "ENV-SWAN-SECRET-321",
+}
 
 MOE = Table(
     ["layer", "expert", "tokens", "load_percent"],
@@ -50,8 +56,8 @@ MOE = Table(
     heatmap="load_percent",
 )
 PLAIN = Table(["a", "b"], [[1, 2.5], [3, float("nan")]])
-# 7 rows > the W&B row cap the child lowers to 5 (stands in for W&B's 10,000 default)
-LONG = Table(["v"], [[i * 0.5] for i in range(7)])
+# more rows than W&B's default cap (wandb.Table.MAX_ROWS = 10,000): all must arrive
+LONG = Table(["v"], [[i * 0.5] for i in range(10_001)])
 
 
 def commits() -> list[tuple[int, int, int, Any]]:
@@ -120,12 +126,30 @@ CHILD = r"""
 import json, logging, sys
 sys.path.insert(0, sys.argv[1])
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")
+import threading
 import wandb
-wandb.Table.MAX_ROWS = 5
+assert wandb.Table.MAX_ROWS == 10_000  # the cap LONG exceeds
+wandb.Table.MAX_ARTIFACT_ROWS = 10_000  # stands in for the artifact cap of 200,000
 from test_backends import commits
 from areal_stream import StatsLogger
 from areal_stream.config import load_config
 cfg = load_config(sys.argv[2])  # a file: secrets on argv would be recorded by wandb/swanlab
+# a wandb.init that fails (online, no API key: refused before any network use) leaves no
+# wandb thread behind
+import dataclasses, os
+from areal_stream._backends.wandb_backend import WandbBackend
+saved = {k: os.environ.pop(k, "") for k in ("WANDB_MODE", "WANDB_API_KEY")}
+online = dataclasses.replace(cfg, wandb=dataclasses.replace(cfg.wandb, mode="online",
+                                                            wandb_api_key=None))
+try:
+    WandbBackend(online, "online").open()
+    print("FAILED_OPEN none")
+except Exception as e:
+    print("FAILED_OPEN " + json.dumps([type(e).__name__] + [t.name for t in threading.enumerate()
+                                                          if t is not threading.main_thread()]))
+os.environ.update({k: v for k, v in saved.items() if v})
+user = wandb.init(dir="user", project="mine", id="user_run")  # the user's own run, left open
+user.log({"u": 1}, step=0)
 logger = StatsLogger(cfg)
 for epoch, step, gstep, data in commits():
     logger.commit(epoch, step, gstep, data)
@@ -133,6 +157,21 @@ assert logger.flush(timeout=60)
 stats = {k: v.__dict__ for k, v in logger.statistics().items()}
 logger.close()
 print("STATS " + json.dumps(stats))
+user.log({"u": 2}, step=1)  # still usable: the logger neither wrote to it nor finished it
+user.finish()
+# W&B drops a step below its current one with a warning WANDB_SILENT hides: refused instead
+from areal_stream._backends import StepRecord
+order = dataclasses.replace(cfg, wandb=dataclasses.replace(cfg.wandb, id_suffix="order"))
+wb = WandbBackend(order, "order")
+wb.open()
+wb.log(StepRecord(5, 5, 0, 0, {"a": 1.0}))
+wb.log(StepRecord(5, 5, 0, 0, {"b": 2.0}))  # the same step again is fine (merged)
+try:
+    wb.log(StepRecord(4, 4, 0, 0, {"a": 3.0}))
+    print("ORDER none")
+except ValueError as e:
+    print("ORDER " + str(e))
+wb.close()
 def live_children():  # wandb-core must be gone once close() returned
     import os
     out = []
@@ -147,6 +186,8 @@ def live_children():  # wandb-core must be gone once close() returned
             out.append(comm.split("(", 1)[1])
     return out
 print("CHILDREN " + json.dumps(live_children()))
+print("THREADS " + json.dumps([f"{type(t).__module__}.{type(t).__name__}"
+                               for t in threading.enumerate() if t is not threading.main_thread()]))
 """
 
 
@@ -163,7 +204,7 @@ def _child_env(tmp: Path) -> dict[str, str]:
         WANDB_CONFIG_DIR=str(tmp / "wandb_config"),
         PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
     )
-    env.pop("SWANLAB_API_KEY", None)
+    env.update(ENV_SECRETS)
     return env
 
 
@@ -184,6 +225,9 @@ def run_all(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     log_dir = next((tmp / "root" / "logs").glob("*/exp/t1"))
     stats_line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("STATS "))
     children = next(ln for ln in proc.stdout.splitlines() if ln.startswith("CHILDREN "))
+    threads = next(ln for ln in proc.stdout.splitlines() if ln.startswith("THREADS "))
+    order = next(ln for ln in proc.stdout.splitlines() if ln.startswith("ORDER "))
+    failed = next(ln for ln in proc.stdout.splitlines() if ln.startswith("FAILED_OPEN "))
     return {
         "tmp": tmp,
         "log_dir": log_dir,
@@ -191,6 +235,9 @@ def run_all(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "stderr": proc.stderr,
         "stats": json.loads(stats_line[6:]),
         "children": json.loads(children[9:]),
+        "threads": json.loads(threads[8:]),
+        "order": order[6:],
+        "failed_open": json.loads(failed[12:]),
     }
 
 
@@ -219,6 +266,11 @@ def test_every_backend_ran_clean(run_all: dict[str, Any]) -> None:
     for name, s in stats.items():
         assert (s["logged"], s["errors"], s["dropped"], s["queued"]) == (4, 0, 0, 0), name
     assert run_all["children"] == []  # wandb-core exited (wandb.teardown() on close)
+    # no backend thread is left: wandb's and trackio's are gone, swanlab's file watcher is
+    # stopped; only watchdog's process-wide inotify reader (shared by every watchdog observer
+    # in the process, never stopped by watchdog itself) stays, at most one
+    assert run_all["threads"] in ([], ["watchdog.observers.inotify_c.InotifyFD"])
+    assert run_all["failed_open"] == ["UsageError"]  # and no wandb thread left after it
 
 
 def test_journal(run_all: dict[str, Any]) -> None:
@@ -285,6 +337,16 @@ def test_wandb(run_all: dict[str, Any]) -> None:
         source: Table = EXPECTED[step][key]
         assert table["columns"] == list(source.columns)
         assert nan_equal(table["data"], [list(r) for r in source.rows]), key
+    # the run_table artifact holds every row too (its cap is lowered below LONG in the child)
+    artifact = read_wandb_artifact_table(log_dir, "run-exp_t1_train-long")
+    assert nan_equal(artifact["data"], [list(r) for r in LONG.rows])
+    assert run_all["order"] == (
+        "W&B run 'exp_t1_order' is already at step 5; W&B ignores the lower step 4 "
+        "(replay into another run: set wandb.id_suffix)"
+    )
+    assert read_wandb_history(run_all["tmp"] / "order") == {5: {"a": 1, "b": 2}}
+    # the user's own run, open in the same process all along, got only the user's values
+    assert read_wandb_history(run_all["tmp"] / "user") == {0: {"u": 1}, 1: {"u": 2}}
     cfg = read_wandb_config(log_dir)
     assert cfg["lr"] == 0.1 and cfg["hf_token"] == "<redacted>"
     assert cfg["stats_logger"]["wandb"]["wandb_api_key"] == "<redacted>"
@@ -324,13 +386,14 @@ def test_console_table(run_all: dict[str, Any]) -> None:
 
 
 def test_no_secret_in_any_file(run_all: dict[str, Any]) -> None:
+    secrets = [*SECRETS, *ENV_SECRETS.values()]
     found = []
     for path in Path(run_all["tmp"]).rglob("*"):
         if path.is_file() and path.name != "run.yaml":
             data = path.read_bytes()
-            found += [(str(path), s) for s in SECRETS if s.encode() in data]
+            found += [(str(path), s) for s in secrets if s.encode() in data]
     assert found == []
-    assert not any(s in run_all["stdout"] + run_all["stderr"] for s in SECRETS)
+    assert not any(s in run_all["stdout"] + run_all["stderr"] for s in secrets)
 
 
 def test_missing_package_is_one_line_and_counted(

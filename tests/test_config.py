@@ -92,6 +92,10 @@ def test_block_itself_and_defaults() -> None:
         ({"queue_size": 0}, "stats_logger.queue_size", ">= 1"),
         ({"queue_size": 2.5}, "stats_logger.queue_size", "integer"),
         ({"close_timeout": 0}, "stats_logger.close_timeout", "> 0"),
+        ({"close_timeout": float("inf")}, "stats_logger.close_timeout", "finite"),
+        ({"close_timeout": float("nan")}, "stats_logger.close_timeout", "finite"),
+        ({"tensorboard": 3}, "stats_logger.tensorboard", "expected a mapping, got int"),
+        ({"fileroot": 5}, "stats_logger.fileroot", "expected a string, got int"),
         ({"experiment_name": "a/b"}, "stats_logger.experiment_name", "path component"),
         ({"trial_name": ".."}, "stats_logger.trial_name", "path component"),
         ({"trial_name": 3}, "stats_logger.trial_name", "expected a string"),
@@ -132,6 +136,19 @@ def test_programmatic_config_is_validated_too() -> None:
     cfg.wandb.mode = "nope"
     with pytest.raises(ValueError, match=r"^stats_logger.wandb.mode: invalid mode"):
         validate(cfg)
+    # a nested block of the wrong type is named, not an AttributeError from deep inside
+    bad: Any = {"mode": "offline"}
+    with pytest.raises(ValueError, match=r"^stats_logger.wandb: expected a WandBConfig, got dict"):
+        validate(StatsLoggerConfig("e", "t", "/x", wandb=bad))
+    with pytest.raises(ValueError, match=r"^stats_logger.console: expected a ConsoleConfig"):
+        validate(StatsLoggerConfig("e", "t", "/x", console=TensorBoardConfig()))  # type: ignore[arg-type]
+
+
+def test_type_error_never_echoes_a_secret() -> None:
+    for patch in ({"swanlab": {"api_key": 918273645}}, {"wandb": {"wandb_api_key": 918273645}}):
+        with pytest.raises(ValueError, match="api_key: expected a string or null, got int") as e:
+            load_config({**BASE, **patch})
+        assert "918273645" not in str(e.value)
 
 
 def test_secrets_never_in_repr_or_redacted(monkeypatch: pytest.MonkeyPatch) -> None:

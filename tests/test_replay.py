@@ -114,6 +114,46 @@ def test_cli_replays_to_tensorboard_and_trackio(tmp_path: Path) -> None:
     assert not (tmp_path / "replayed").exists()
 
 
+def test_torn_last_line_from_a_killed_writer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process killed mid-line leaves a torn last line: replay skips it and says so; a
+    resumed logger cuts it off so its own first record stays whole."""
+    journal = _journal(tmp_path)
+    whole = journal.read_text()
+    lines = whole.splitlines(keepends=True)
+    torn = lines[-1][: len(lines[-1]) // 2]  # the last record, half written, no newline
+    journal.write_text("".join(lines[:-1]) + torn)
+    cfg = tmp_path / "c.yaml"
+    base = {"experiment_name": "exp", "trial_name": "t", "fileroot": str(tmp_path / "run")}
+    cfg.write_text(yaml.safe_dump({"stats_logger": base}))
+    assert main([str(journal), "--config", str(cfg), "--console"]) == 0
+    out, err = capsys.readouterr()
+    assert "console: logged 3, errors 0, dropped 0" in out  # the 3 complete records
+    assert f"{journal}:4: torn last line ({len(torn)} chars, no newline) skipped" in err
+    # a torn line that is not the last one is still an error with its line number
+    middle = tmp_path / "middle.jsonl"
+    middle.write_text("".join(lines[:-1]) + torn + "\n" + lines[-1])
+    assert main([str(middle), "--config", str(cfg), "--console"]) == 2
+    assert f"{middle}:4: not JSON" in capsys.readouterr().err
+    # resume on the torn journal: the torn bytes are cut, the new record is a line of its own
+    config = {**base, "tensorboard": {"path": None}, "console": {"enabled": False}}
+    with caplog.at_level("WARNING", logger="areal_stream.stats_logger"), StatsLogger(config) as lg:
+        assert lg.journal_path == str(journal)
+        lg.load_state_dict({"last_commit_step": 2})
+        lg.commit(0, 3, 3, {"loss": 1.0})
+    assert f"cut off a torn last line of {len(torn)} bytes" in caplog.text
+    assert journal.read_text() == "".join(lines[:-1]) + (
+        '{"global_step":3,"step":3,"epoch":0,"epoch_step":3,"stats":{"loss":1.0}}\n'
+    )
+    # a complete record that only lost its newline is kept, and the next one starts a line
+    journal.write_text(whole.rstrip("\n"))
+    with StatsLogger(config) as logger:
+        logger.load_state_dict({"last_commit_step": 7})
+        logger.commit(0, 3, 8, {"loss": 2.0})
+    assert [x["step"] for x in read_jsonl(journal)] == [0, 1, 2, 7, 8]
+
+
 class _Failing(Backend):
     def log(self, record: StepRecord) -> None:
         raise OSError("service down")

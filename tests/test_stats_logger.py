@@ -139,18 +139,31 @@ def test_journal_step_rule_and_values(tmp_path: Path) -> None:
 
 
 def test_bad_input_raises_and_writes_nothing(tmp_path: Path) -> None:
+    import torch
+
     logger = StatsLogger(cfg(tmp_path))
     try:
         with pytest.raises(TypeError, match=r"stats\['s'\] must be a number or an areal_stream"):
             logger.commit(0, 0, 0, {"ok": 1.0, "s": "text"})
         with pytest.raises(TypeError, match=r"stats\['v'\]"):
             logger.commit(0, 0, 0, [{"ok": 1.0}, {"v": [1, 2]}])  # second dict bad: none kept
+        with pytest.raises(TypeError, match=r"stats\['n'\] must be a number .*got NoneType"):
+            logger.commit(0, 0, 0, {"ok": 1.0, "n": None})
+        with pytest.raises(TypeError, match=r"stats\['t'\] .*got Tensor with 2 elements"):
+            logger.commit(0, 0, 0, {"ok": 1.0, "t": torch.tensor([1.0, 2.0])})
+        with pytest.raises(TypeError, match=r"stats\['e'\] .*got Tensor with 0 elements"):
+            logger.commit(0, 0, 0, {"e": torch.tensor([])})
+        with pytest.raises(TypeError, match=r"stats\['a'\] .*got ndarray with 3 elements"):
+            logger.commit(0, 0, 0, [{"ok": 1.0}, {"a": np.zeros(3)}])
         with pytest.raises(TypeError, match="keys must be non-empty strings"):
             logger.commit(0, 0, 0, {3: 1.0})  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="must be integers"):
             logger.commit(0, 0, 1.5, {"a": 1.0})  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="item 0 is int"):
             logger.commit(0, 0, 0, [1])  # type: ignore[list-item]
+        for junk in (None, "text", 3):
+            with pytest.raises(TypeError, match="must be a dict or a list of dicts, got"):
+                logger.commit(0, 0, 0, junk)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match=r"Table cell \(row 0, column 'b'\)"):
             logger.commit(0, 0, 0, {"t": Table(["a", "b"], [[1, object()]])})
         assert logger.state_dict() == {"last_commit_step": -1}
@@ -264,6 +277,7 @@ def test_close_time_limit_leaves_a_hung_backend_behind(
         assert hung.entered.wait(WAIT)
         logger.commit(0, 1, 1, {"i": 1})
         logger.commit(0, 2, 2, {"i": 2})
+        rec.wait_for(3)  # only the healthy backend's close() has to fit in close_timeout
         with caplog.at_level(logging.WARNING, logger="areal_stream.stats_logger"):
             logger.close()  # returns although hung.log() is still blocked
         assert not hung.release.is_set() and not hung.closed.is_set()
@@ -301,6 +315,8 @@ def test_registration_hook_and_bad_extra_backends(tmp_path: Path) -> None:
         unregister_backend("wandb")
     with pytest.raises(ValueError, match="clash"):
         StatsLogger(cfg(tmp_path, console={"enabled": True}), extra_backends=[("console", rec)])
+    with pytest.raises(ValueError, match="'r' is given twice"):
+        StatsLogger(cfg(tmp_path), extra_backends=[("r", rec), ("r", Recorder())])
     with pytest.raises(TypeError, match="no log"):
         StatsLogger(cfg(tmp_path), extra_backends=[("x", object())])  # type: ignore[list-item]
     with pytest.raises(TypeError, match="StatsLogger expects"):
@@ -397,6 +413,101 @@ def test_console_format_limits_rows() -> None:
     assert format_step(rec, max_rows=1).splitlines()[1:] == ["  a  3", "  ... 2 more"]
 
 
+class Stuck(Backend):
+    """Blocks in ``open()`` or ``close()`` until released, or raises in ``close()``."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.steps: list[int] = []
+        self._cond = threading.Condition()
+
+    def _block(self, phase: str) -> None:
+        if self.where == phase:
+            self.entered.set()
+            assert self.release.wait(WAIT)
+
+    def open(self) -> None:
+        self._block("open")
+
+    def log(self, record: StepRecord) -> None:
+        with self._cond:
+            self.steps.append(record.step)
+            self._cond.notify_all()
+
+    def wait_for_steps(self, n: int) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: len(self.steps) >= n, WAIT), self.steps
+
+    def close(self) -> None:
+        if self.where == "close-raises":
+            raise OSError("cannot finish")
+        self._block("close")
+
+
+def test_backends_stuck_in_open_or_close_isolated(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    opening, closing, raising, rec = (
+        Stuck("open"),
+        Stuck("close"),
+        Stuck("close-raises"),
+        Recorder(),
+    )
+    logger = StatsLogger(
+        cfg(tmp_path, queue_size=2, close_timeout=0.5),
+        extra_backends=[
+            ("opening", opening),
+            ("closing", closing),
+            ("raising", raising),
+            ("rec", rec),
+        ],
+    )
+    try:
+        assert opening.entered.wait(WAIT)
+        for i in range(5):
+            logger.commit(0, i, i, {"i": i})  # never waits on the backend stuck in open()
+            rec.wait_for(i + 1)  # (queues hold 2 steps: let the healthy one keep up)
+            closing.wait_for_steps(i + 1)
+            raising.wait_for_steps(i + 1)
+        assert logger.flush(timeout=0.05) is False  # the stuck open() blocks that flush only
+        for _ in range(3):  # repeated flushes of a stuck backend do not pile up markers
+            logger.flush(timeout=0)
+        assert len(logger._fanout.workers[0]._items) == 2 + 1  # type: ignore[union-attr]
+        with caplog.at_level(logging.WARNING, logger="areal_stream.stats_logger"):
+            logger.close()  # within close_timeout although two backends are stuck
+        st = logger.statistics()
+        assert (st["opening"].state, st["opening"].dropped) == ("abandoned", 5)  # 2 queued
+        assert (st["closing"].state, st["closing"].logged) == ("abandoned", 5)
+        assert (st["raising"].state, st["raising"].logged, st["raising"].errors) == ("closed", 5, 1)
+        assert (st["rec"].state, st["rec"].logged) == ("closed", 5) and rec.closed
+        assert "raising backend failed in close: OSError: cannot finish" in caplog.text
+        assert "opening backend did not finish in time; 2 queued" in caplog.text
+    finally:
+        opening.release.set()
+        closing.release.set()
+        logger.close()  # no-op when the test got there
+    assert closing.steps == raising.steps == [0, 1, 2, 3, 4]
+    assert opening.steps == []  # abandoned: its queue was dropped, nothing logged late
+
+
+def test_timeouts_beyond_what_threads_accept(tmp_path: Path) -> None:
+    """``flush(inf)`` / a huge close timeout used to raise OverflowError (and leave the
+    journal open and the worker threads running)."""
+    from areal_stream._fanout import Fanout
+
+    rec = Recorder()
+    with StatsLogger(cfg(tmp_path), extra_backends=[("rec", rec)]) as logger:
+        logger.commit(0, 0, 0, {"a": 1.0})
+        assert logger.flush(timeout=float("inf")) is True
+        assert logger.flush(timeout=1e300) is True
+    assert rec.closed
+    other = Recorder()
+    fanout = Fanout([("other", other)], queue_size=4)
+    assert fanout.close(float("inf")) is True and other.closed
+
+
 async def test_commit_from_an_event_loop_then_aclose(tmp_path: Path) -> None:
     import asyncio
 
@@ -408,6 +519,7 @@ async def test_commit_from_an_event_loop_then_aclose(tmp_path: Path) -> None:
         for i in range(3):  # the controller commits from its event loop: never waits
             logger.commit(0, i, i, {"i": i})
             await asyncio.sleep(0)
+        await asyncio.wait_for(asyncio.to_thread(rec.wait_for, 3), timeout=WAIT)
         await asyncio.wait_for(logger.aclose(), timeout=WAIT)
         assert [r.step for r in rec.records] == [0, 1, 2] and rec.closed
     finally:

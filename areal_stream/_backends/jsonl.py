@@ -10,19 +10,26 @@ strict JSON parsers need an option for it). A ``Table`` value is written as
 ``{"__table__": {"columns": [...], "rows": [[...]], "index": [...], "heatmap": name|null}}``
 so ``python -m areal_stream.replay`` can rebuild it. The journal is written synchronously by
 ``StatsLogger.commit`` and flushed after every step, before any backend sees the step.
+
+A process killed while writing a line leaves a torn last line (no trailing newline). Readers
+(``read_journal``) skip such a line and report it; ``JournalWriter`` cuts it off (with a
+warning giving its size) before appending, so a resumed run's first record is not glued to it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from areal_stream._backends._base import StepRecord
 from areal_stream._table import Table
 
 JOURNAL_NAME = "stats.jsonl"
+
+logger = logging.getLogger("areal_stream.stats_logger")
 
 
 def _default(obj: object) -> Any:
@@ -92,17 +99,69 @@ def decode_line(line: str) -> StepRecord:
     )
 
 
-def read_journal(path: str | os.PathLike[str]) -> Iterator[StepRecord]:
+def read_journal(
+    path: str | os.PathLike[str],
+    on_torn_tail: Callable[[int, str], None] | None = None,
+) -> Iterator[StepRecord]:
     """Every record of a journal, in file order; blank lines skipped. A bad line raises
-    ``ValueError`` with its line number."""
-    with open(path, encoding="utf-8") as f:
+    ``ValueError`` with its line number, except a torn last line (no trailing newline, does
+    not parse: the writer was killed mid-line), which is skipped and reported to
+    ``on_torn_tail(line_number, reason)`` (default: a warning on this module's logger)."""
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 yield decode_line(line)
             except (ValueError, TypeError, KeyError) as e:
-                raise ValueError(f"{os.fspath(path)}:{n}: {e}") from None
+                if line.endswith("\n"):
+                    raise ValueError(f"{os.fspath(path)}:{n}: {e}") from None
+                reason = f"torn last line ({len(line)} chars, no newline) skipped: {e}"
+                if on_torn_tail is None:
+                    logger.warning("%s:%d: %s", os.fspath(path), n, reason)
+                else:
+                    on_torn_tail(n, reason)
+
+
+def _repair_tail(path: str) -> None:
+    """Make sure the journal ends with a newline before appending: a torn last line (the
+    writer was killed mid-line) is cut off with a warning; a complete record that only lacks
+    its newline gets one."""
+    try:
+        f = open(path, "rb+")  # noqa: SIM115
+    except FileNotFoundError:
+        return
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        start = size
+        while start > 0:  # find the start of the last line, reading backwards
+            step = min(65536, start)
+            f.seek(start - step)
+            cut = f.read(step).rfind(b"\n")
+            if cut >= 0:
+                start = start - step + cut + 1
+                break
+            start -= step
+        f.seek(start)
+        tail = f.read()
+        try:
+            decode_line(tail.decode("utf-8"))
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+            f.truncate(start)
+            logger.warning(
+                "%s: cut off a torn last line of %d bytes (a previous run was killed while "
+                "writing it; that step was never fully committed)",
+                path,
+                len(tail),
+            )
+            return
+        f.seek(size)
+        f.write(b"\n")
 
 
 class JournalWriter:
@@ -111,6 +170,7 @@ class JournalWriter:
     def __init__(self, log_dir: str) -> None:
         os.makedirs(log_dir, exist_ok=True)
         self.path = os.path.join(log_dir, JOURNAL_NAME)
+        _repair_tail(self.path)
         self._f: IO[str] | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
 
     def write(self, record: StepRecord) -> None:

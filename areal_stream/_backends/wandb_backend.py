@@ -5,6 +5,8 @@ start time; empty/null means no suffix) with ``resume="allow"``, so a resumed tr
 its run. Defaults as in AReaL: project = experiment_name, name = trial_name, group =
 ``{experiment}_{trial}``, files under the log dir (``<log_dir>/wandb/``). The run's config is
 ``{"stats_logger": config.redacted(), **wandb.config}`` with credential-like keys masked.
+The run is always a run of its own (``reinit="create_new"``): a W&B run the user has open
+in the same process is neither reused nor finished.
 
 Quiet by default: ``WANDB_SILENT=true`` and console capture off, unless the user set
 ``WANDB_SILENT`` / ``WANDB_CONSOLE``. In offline mode ``WANDB_MODE=offline`` and
@@ -12,10 +14,13 @@ Quiet by default: ``WANDB_SILENT=true`` and console capture off, unless the user
 tries the network). ``wandb_api_key`` / ``wandb_base_url`` are exported as ``WANDB_API_KEY``
 / ``WANDB_BASE_URL`` for online and shared modes only.
 
-A Table becomes a ``wandb.Table`` with all its rows: wandb's 10,000-row default cap
-(``wandb.Table.MAX_ROWS``, a class attribute) is raised to the table's size when needed.
-NaN and +-inf are logged as they are. ``close()`` finishes the run and, when no other wandb
-run is active in the process, calls ``wandb.teardown()`` so ``wandb-core`` exits.
+A Table becomes a ``wandb.Table`` with all its rows: wandb's default caps (10,000 rows in
+the run's table file, ``wandb.Table.MAX_ROWS``; 200,000 in the ``run_table`` artifact,
+``MAX_ARTIFACT_ROWS``; class attributes) are raised to the table's size when needed.
+NaN and +-inf are logged as they are. A step below the run's current step (a resumed run id
+that already went further, a replay into the original run) is refused with ``ValueError``
+instead of being dropped by wandb without a word. ``close()`` finishes the run and, when no
+other wandb run is active in the process, calls ``wandb.teardown()`` so ``wandb-core`` exits.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class WandbBackend(Backend):
         self.run_id = wandb_run_id(config)
         self._run: Any = None
         self._wandb: Any = None
+        self._min_step = 0  # lowest step W&B still accepts (wandb drops lower ones)
 
     def open(self) -> None:
         cfg = self.config.wandb
@@ -67,44 +73,79 @@ class WandbBackend(Backend):
         run_config: dict[str, Any] = {"stats_logger": self.config.redacted()}
         if cfg.config:
             run_config.update(scrub_secrets(cfg.config))
-        settings: dict[str, Any] = {}
+        # a run of our own even when the process has another one active (the user's): the
+        # default would hand back (or, in notebooks, finish) that run
+        settings: dict[str, Any] = {"reinit": "create_new"}
         if "WANDB_CONSOLE" not in os.environ:
             settings["console"] = "off"
         exp, trial = self.config.experiment_name, self.config.trial_name
-        self._run = wandb.init(
-            mode=cast(Any, cfg.mode),
-            entity=cfg.entity,
-            project=cfg.project or exp,
-            name=cfg.name or trial,
-            job_type=cfg.job_type,
-            group=cfg.group or f"{exp}_{trial}",
-            notes=cfg.notes,
-            tags=cfg.tags,
-            config=run_config,
-            dir=self.log_dir,
-            id=self.run_id,
-            resume="allow",
-            settings=wandb.Settings(**settings),
-        )
+        try:
+            self._run = wandb.init(
+                mode=cast(Any, cfg.mode),
+                entity=cfg.entity,
+                project=cfg.project or exp,
+                name=cfg.name or trial,
+                job_type=cfg.job_type,
+                group=cfg.group or f"{exp}_{trial}",
+                notes=cfg.notes,
+                tags=cfg.tags,
+                config=run_config,
+                dir=self.log_dir,
+                id=self.run_id,
+                resume="allow",
+                settings=wandb.Settings(**settings),
+            )
+        except BaseException:
+            self._teardown()  # a failed init may have started wandb's service thread
+            raise
+        if cfg.mode != "shared":  # a resumed run starts where it stopped (one query, at open)
+            self._min_step = int(self._run.step)
 
     def log(self, record: StepRecord) -> None:
         wandb = self._wandb
         data: dict[str, Any] = {}
         for key, value in record.stats.items():
             if isinstance(value, Table):
+                # wandb truncates a logged table twice over: the run's table file at MAX_ROWS
+                # and the run_table artifact at MAX_ARTIFACT_ROWS. Keep every row in both.
                 if len(value.rows) > wandb.Table.MAX_ROWS:
                     wandb.Table.MAX_ROWS = len(value.rows)
+                if len(value.rows) > wandb.Table.MAX_ARTIFACT_ROWS:
+                    wandb.Table.MAX_ARTIFACT_ROWS = len(value.rows)
                 data[key] = wandb.Table(
                     columns=list(value.columns), data=[list(r) for r in value.rows]
                 )
             else:
                 data[key] = value
+        if record.step < self._min_step:
+            # wandb would drop the step with a warning that WANDB_SILENT hides: make it an
+            # error, so it is logged once and counted under committer/wandb/errors
+            raise ValueError(
+                f"W&B run {self.run_id!r} is already at step {self._min_step}; W&B ignores "
+                f"the lower step {record.step} (replay into another run: set wandb.id_suffix)"
+            )
         self._run.log(data, step=record.step)
+        self._min_step = record.step
 
     def close(self) -> None:
         if self._run is None:
             return
         run, self._run = self._run, None
-        run.finish()
-        if self._wandb.run is None:
-            self._wandb.teardown()
+        try:
+            run.finish()
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        """Stop wandb's service (``wandb-core``, its threads) unless another run is active."""
+        wandb = self._wandb
+        if wandb is None:
+            return
+        try:
+            from wandb.sdk import wandb_setup
+
+            other = wandb_setup.singleton().most_recent_active_run
+        except (ImportError, AttributeError):  # another wandb layout: the global run only
+            other = wandb.run
+        if other is None:
+            wandb.teardown()
