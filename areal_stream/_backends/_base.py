@@ -11,7 +11,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 from areal_stream._table import Table
 
@@ -109,6 +109,17 @@ def expand_table(key: str, table: Table, note: NoteOnce) -> dict[str, float | in
     if skipped:
         note(f"table-cells:{key}", f"Table {key!r}: {skipped} non-numeric cell(s) not logged")
     return out
+
+
+def with_tables_expanded(stats: Mapping[str, Any], note: NoteOnce) -> dict[str, Any]:
+    """``stats`` with every Table replaced by its per-cell scalars (SwanLab, Trackio)."""
+    data: dict[str, Any] = {}
+    for key, value in stats.items():
+        if isinstance(value, Table):
+            data.update(expand_table(key, value, note))
+        else:
+            data[key] = value
+    return data
 
 
 def heatmap_pixels(table: Table) -> tuple[list[object], list[object], list[list[int]]]:

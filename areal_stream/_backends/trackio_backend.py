@@ -17,10 +17,9 @@ from areal_stream._backends._base import (
     Backend,
     NoteOnce,
     StepRecord,
-    expand_table,
     missing_package,
+    with_tables_expanded,
 )
-from areal_stream._table import Table
 from areal_stream.config import StatsLoggerConfig
 
 
@@ -50,13 +49,7 @@ class TrackioBackend(Backend):
         )
 
     def log(self, record: StepRecord) -> None:
-        data: dict[str, Any] = {}
-        for key, value in record.stats.items():
-            if isinstance(value, Table):
-                data.update(expand_table(key, value, self._note))
-            else:
-                data[key] = value
-        self._run.log(data, step=record.step)
+        self._run.log(with_tables_expanded(record.stats, self._note), step=record.step)
 
     def close(self) -> None:
         if self._run is None:
