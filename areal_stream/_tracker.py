@@ -23,7 +23,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from areal_stream._errors import StatsInputError
-from areal_stream._export import Entry, TensorAcc, reduce_entries
+from areal_stream._export import Entry, TensorAcc, local_records, reduce_entries
 from bus import Record, ReduceType, merge_into, project
 from bus._aggregate import output_keys
 
@@ -78,6 +78,42 @@ class _Scope:
         self.__exit__(*exc)
 
     def __call__(self, fn: F) -> F:
+        if inspect.isasyncgenfunction(fn):
+
+            @functools.wraps(fn)
+            async def agwrapper(*args: Any, **kwargs: Any) -> Any:
+                agen = fn(*args, **kwargs)
+                own = self._seg
+                step, arg = agen.asend, None
+                while True:
+                    base = self._enter_own(own)
+                    try:
+                        item = await step(arg)
+                    except StopAsyncIteration:
+                        return
+                    finally:
+                        own = self._leave_own(base, own)
+                    try:
+                        arg = yield item
+                        step = agen.asend
+                    except GeneratorExit:
+                        base = self._enter_own(own)
+                        try:
+                            await agen.aclose()
+                        finally:
+                            self._leave_own(base, own)
+                        raise
+                    except BaseException as exc:
+                        step, arg = agen.athrow, exc
+
+            return cast(F, agwrapper)
+        if inspect.isgeneratorfunction(fn):
+
+            @functools.wraps(fn)
+            def gwrapper(*args: Any, **kwargs: Any) -> Any:
+                return (yield from self._steps(fn(*args, **kwargs)))
+
+            return cast(F, gwrapper)
         if inspect.iscoroutinefunction(fn):
 
             @functools.wraps(fn)
@@ -90,9 +126,60 @@ class _Scope:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             with self:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+            # A callable that hides what it returns (an object with ``async def
+            # __call__``, a decorator without ``wraps``): scope the body it runs later.
+            if inspect.iscoroutine(result):
+                return self._awaited(result)
+            if inspect.isgenerator(result):
+                return self._steps(result)
+            return result
 
         return cast(F, wrapper)
+
+    async def _awaited(self, coro: Any) -> Any:
+        with self:
+            return await coro
+
+    # A generator's body runs in its consumer's context, a step at a time. The body keeps
+    # its own scope suffix (this scope plus whatever scopes it is inside at a ``yield``):
+    # it is put on top of the consumer's scope for each step (send/throw/close) and taken
+    # off before each value is handed out, so the consumer never sees it. (Async
+    # generators: the same loop, inline in ``agwrapper``.)
+
+    def _enter_own(self, own: str) -> str:
+        base = self._var.get()
+        self._var.set(base + own)
+        return base
+
+    def _leave_own(self, base: str, own: str) -> str:
+        cur = self._var.get()
+        self._var.set(base)
+        return cur[len(base) :] if cur.startswith(base) else own
+
+    def _steps(self, gen: Any) -> Any:
+        own = self._seg
+        step, arg = gen.send, None
+        while True:
+            base = self._enter_own(own)
+            try:
+                item = step(arg)
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                own = self._leave_own(base, own)
+            try:
+                arg = yield item
+                step = gen.send
+            except GeneratorExit:
+                base = self._enter_own(own)
+                try:
+                    gen.close()
+                finally:
+                    self._leave_own(base, own)
+                raise
+            except BaseException as exc:
+                step, arg = gen.throw, exc
 
 
 class _Timing:
@@ -114,7 +201,7 @@ class _Timing:
     def __exit__(self, *exc: object) -> None:
         elapsed = time.perf_counter() - self._starts.pop()
         # Fixed under "timeperf/", outside any scope, as in the reference.
-        self._tracker._ring.append(("", {self._key: elapsed}))
+        self._tracker._record_unscoped({self._key: elapsed})
 
     def __call__(self, fn: F) -> F:
         tracker, name = self._tracker, self._key[len("timeperf/") :]
@@ -149,7 +236,8 @@ class DistributedStatsTracker:
         self._scope: ContextVar[str] = ContextVar(f"areal_stream_scope_{name}", default="")
         self._scoped = False  # set for good when a scope is first entered
         # Hot path state: appended to without a lock (list.append is atomic).
-        self._ring: list[tuple[str, dict[str, float]]] = []  # (scope, {name: value})
+        # ``{name: value}`` recorded outside any scope, else ``(scope, {name: value})``.
+        self._ring: list[dict[str, float] | tuple[str, dict[str, float]]] = []
         # Everything below is guarded by _lock.
         self._lock = threading.RLock()
         self._scalars: dict[str, list[float]] = {}  # key -> [sum, count]
@@ -194,8 +282,21 @@ class DistributedStatsTracker:
         if reduce_group is not None or self._tensors:
             self._scalar_slow(self._scope.get(), kwargs, reduce_group)
         ring = self._ring
-        # Until a scope is first entered on this tracker, every key is unscoped.
-        ring.append((self._scope.get() if self._scoped else "", kwargs))
+        # Until a scope is first entered on this tracker, every key is unscoped; an
+        # unscoped call appends its dict alone (no tuple: the cheapest hot path).
+        if self._scoped:
+            ring.append((self._scope.get(), kwargs))
+        else:
+            ring.append(kwargs)
+        if len(ring) >= RING_CAPACITY:
+            self.fold()
+
+    def _record_unscoped(self, kwargs: dict[str, float]) -> None:
+        """``scalar()`` outside any scope, for already-checked floats (record_timing)."""
+        if self._tensors:
+            self._scalar_slow("", kwargs, None)
+        ring = self._ring
+        ring.append(kwargs)
         if len(ring) >= RING_CAPACITY:
             self.fold()
 
@@ -328,6 +429,10 @@ class DistributedStatsTracker:
             self._tensors[key] = (rtype, TensorAcc(sw, lo, hi))
             return
         acc = held[1]
+        if sw.device != acc.sw.device:  # the key moved device: keep accumulating where it is
+            sw = sw.to(acc.sw.device)
+            lo = None if lo is None else lo.to(acc.sw.device)
+            hi = None if hi is None else hi.to(acc.sw.device)
         acc.sw = acc.sw + sw
         if lo is not None:
             acc.lo = lo if acc.lo is None else torch.minimum(acc.lo, lo)
@@ -350,7 +455,15 @@ class DistributedStatsTracker:
         items = ring[:n]
         del ring[:n]
         groups: dict[str, list[float]] = {}
-        for p, kw in items:
+        for item in items:
+            if type(item) is dict:
+                for k, v in item.items():
+                    try:
+                        groups[k].append(v)
+                    except KeyError:
+                        groups[k] = [v]
+                continue
+            p, kw = cast(tuple[str, dict[str, float]], item)
             for k, v in kw.items():
                 try:
                     groups[p + k].append(v)
@@ -397,15 +510,23 @@ class DistributedStatsTracker:
             self._denoms.pop(key, None)
 
     def export(
-        self, key: str | None = None, reduce_group: Any = None, reset: bool = True
+        self,
+        key: str | None = None,
+        reduce_group: Any = None,
+        reset: bool = True,
+        *,
+        key_sync_group: Any = None,
     ) -> dict[str, float]:
         """Reduce and project this tracker's statistics (``key``: one key, scope-relative).
 
         With a process group, every member must call this; each gets the same dict.
+        ``key_sync_group`` (as in the reference): a group containing ``reduce_group`` and
+        the per-key override groups (e.g. DP+CP while exporting over DP), in which keys
+        are agreed, so a rank that recorded nothing for an override group still joins it.
         """
         with self._lock:
             local = None if key is None else self._scope.get() + key
-            records = reduce_entries(self._entries(local), reduce_group)
+            records = reduce_entries(self._entries(local), reduce_group, None, key_sync_group)
             result = project_records(records)
             if reset:
                 self._clear(local)
@@ -414,7 +535,7 @@ class DistributedStatsTracker:
     def take_records(self) -> dict[str, tuple[ReduceType, Record]]:
         """Remove and return every record (host floats, keyed by full key); masks stay."""
         with self._lock:
-            records = reduce_entries(self._entries(), None)
+            records = local_records(self._entries())
             self._clear(denominators=False)
             return records
 
@@ -494,26 +615,37 @@ class _Locks:
             t._lock.release()
 
 
-def _all_entries(trackers: list[DistributedStatsTracker]) -> dict[str, Entry]:
+def _all_entries(trackers: list[DistributedStatsTracker]) -> tuple[dict[str, Entry], str | None]:
+    """Every tracker's entries, and the first key two trackers both produce (an error the
+    caller raises on every rank, after the key agreement, so no rank is left waiting)."""
     entries: dict[str, Entry] = {}
     source: dict[str, str] = {}
+    error: str | None = None
     for t in trackers:
         for k, e in t._entries().items():
             if k in entries:
-                raise ValueError(
-                    f"key `{k}` is recorded by tracker {source[k]!r} and tracker {t.name!r}; "
-                    "rename one of them"
-                )
+                if error is None:
+                    error = (
+                        f"key `{k}` is recorded by tracker {source[k]!r} and tracker "
+                        f"{t.name!r}; rename one of them"
+                    )
+                continue
             entries[k] = e
             source[k] = t.name
-    return entries
+    return entries, error
 
 
-def export_all(reduce_group: Any = None, reset: bool = True) -> dict[str, float]:
-    """Export every tracker in one packed reduction (same dict on every rank)."""
+def export_all(
+    reduce_group: Any = None, reset: bool = True, *, key_sync_group: Any = None
+) -> dict[str, float]:
+    """Export every tracker in one packed reduction (same dict on every rank).
+
+    ``key_sync_group``: as in :meth:`DistributedStatsTracker.export`.
+    """
     trackers = REGISTRY.unique()
     with _Locks(trackers):
-        records = reduce_entries(_all_entries(trackers), reduce_group)
+        entries, error = _all_entries(trackers)
+        records = reduce_entries(entries, reduce_group, error, key_sync_group)
         result = project_records(records)
         if reset:
             for t in trackers:
@@ -531,7 +663,7 @@ def take_records() -> dict[str, tuple[ReduceType, Record]]:
     with _Locks(trackers):
         out: dict[str, tuple[ReduceType, Record]] = {}
         for t in trackers:
-            for k, (rtype, rec) in reduce_entries(t._entries(), None).items():
+            for k, (rtype, rec) in local_records(t._entries()).items():
                 held = out.get(k)
                 if held is None:
                     out[k] = (rtype, rec)

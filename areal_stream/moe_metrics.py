@@ -18,6 +18,7 @@ the layer layout plus one packed ``all_reduce`` for all layers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -228,8 +229,12 @@ def _summarise(layers: list[int], layout: dict[int, int], host: list[float]) -> 
         counts = host[offset : offset + experts]
         out_of_range += host[offset + experts]
         offset += experts + 1
-        if min(counts) < 0:
-            raise ValueError(f"layer {layer} has a negative expert count after reduction")
+        bad = next((c for c in counts if not (c >= 0 and math.isfinite(c) and c == int(c))), None)
+        if bad is not None:  # NaN would otherwise read as an idle layer (ratio 0)
+            raise ValueError(
+                f"layer {layer} has an expert count of {bad!r} after reduction; counts "
+                "must be finite non-negative whole numbers (check record(counts=...))"
+            )
         total = sum(counts)
         ratio = max(counts) * experts / total if total > 0 else 0.0
         out[f"{_PREFIX}layer_{layer}/max_over_ideal"] = ratio

@@ -151,3 +151,146 @@ def _same(a: dict[str, float], b: dict[str, float]) -> bool:
     if a.keys() != b.keys():
         return False
     return all((math.isnan(a[k]) and math.isnan(b[k])) or a[k] == b[k] for k in a)
+
+
+def _raises(fn: Any) -> str | None:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _consistency_scenarios(rank: int, world: int) -> dict[str, Any]:
+    """Errors found on some ranks only are raised on every rank, never a hang (world 3)."""
+    import torch.distributed as dist
+
+    from areal_stream import stats_tracker
+    from areal_stream.stats_tracker import ReduceType
+
+    world_group = dist.group.WORLD
+    res: dict[str, Any] = {}
+    sub01 = dist.new_group([0, 1])
+    sub12 = dist.new_group([1, 2])
+    fresh01 = dist.new_group([0, 1])  # nobody records with it before scenario 4
+
+    # 0. take_records (the streaming path) never communicates, even for a key with an
+    #    override group: rank 0 alone takes it here while the others go on.
+    if rank == 0:
+        stats_tracker.scalar(reduce_group=sub01, streamed=3.0)
+        res["streamed"] = stats_tracker.take_records()["streamed"][1][:2]
+
+    # 1. A key produced by two trackers on rank 0 only: every rank raises, nothing lost.
+    if rank == 0:
+        with stats_tracker.scope("rollout"):
+            stats_tracker.scalar(reward=1.0)
+    stats_tracker.get("rollout").scalar(reward=float(rank))
+    res["collision"] = _raises(lambda: stats_tracker.export_all(reduce_group=world_group))
+    res["collision_kept"] = stats_tracker.get("rollout").export()
+    stats_tracker.take_records()  # drop the window locally
+
+    # 2. A reduce-type clash inside an override group: rank 2 (not in it) raises too.
+    if rank == 0:
+        stats_tracker.scalar(reduce_group=sub01, c=1.0)
+    if rank == 1:
+        stats_tracker.denominator(m=torch.ones(1, dtype=torch.bool))
+        stats_tracker.stat(reduce_group=sub01, c=torch.ones(1), denominator="m")
+    stats_tracker.scalar(everyone=1.0)
+    res["group_clash"] = _raises(lambda: stats_tracker.export_all(reduce_group=world_group))
+    stats_tracker.take_records()  # drop the window locally
+
+    # 3. A member that recorded nothing for an override group this window joins it with
+    #    identity values (it holds the group from scenario 2's window).
+    if rank == 0:
+        stats_tracker.scalar(reduce_group=sub01, solo=4.0)
+    res["solo"] = stats_tracker.export_all(reduce_group=world_group)
+
+    # 4. A member that never recorded with a group cannot join it: a clear error on every
+    #    rank instead of rank 0 waiting forever.
+    if rank == 0:
+        stats_tracker.scalar(reduce_group=fresh01, fresh=1.0)
+    res["no_handle"] = _raises(lambda: stats_tracker.export_all(reduce_group=world_group))
+    stats_tracker.take_records()  # drop the window locally
+
+    # 5. One key reduced within each rank's own subgroup is fine (ranks 0,1 over sub01;
+    #    rank 2 alone, so locally).
+    alone2 = dist.new_group([2])  # new_group is collective: every rank creates every group
+    own = sub01 if rank in (0, 1) else alone2
+    stats_tracker.scalar(reduce_group=own, pp=float(rank))
+    res["subgroups"] = stats_tracker.export_all(reduce_group=world_group)
+
+    # 6. No default group: a clash in the first override group must not leave rank 2
+    #    waiting in the second one for rank 1; rank 2 learns of it there and raises too.
+    if rank == 0:
+        stats_tracker.scalar(reduce_group=sub01, x=1.0)
+    if rank == 1:
+        stats_tracker.denominator(m=torch.ones(1, dtype=torch.bool))
+        stats_tracker.stat(
+            reduce_group=sub01, x=torch.ones(1), denominator="m", reduce_type=ReduceType.SUM
+        )
+    if rank in (1, 2):
+        stats_tracker.scalar(reduce_group=sub12, y=float(rank))
+    try:
+        res["no_default_out"] = stats_tracker.export_all()
+        res["no_default"] = None
+    except ValueError as e:
+        res["no_default"] = str(e)
+    stats_tracker.take_records()  # drop the window locally
+
+    # 7. An override group wider than the export's group (DP+CP while exporting over DP):
+    #    export over sub01 on ranks 0 and 1, over rank 2 alone on rank 2.
+    dp = sub01 if rank in (0, 1) else alone2
+    stats_tracker.scalar(narrow=float(rank))
+    stats_tracker.scalar(reduce_group=world_group, wide=float(rank))
+    res["wider"] = stats_tracker.export_all(reduce_group=dp)
+
+    # 8. The same with a key produced by two trackers on rank 0 only: rank 1 learns of it
+    #    in the DP agreement, rank 2 in the wide group's; nobody reduces or resets.
+    stats_tracker.scalar(reduce_group=world_group, wide=float(rank))
+    if rank == 0:
+        with stats_tracker.scope("rollout"):
+            stats_tracker.scalar(reward=1.0)
+        stats_tracker.get("rollout").scalar(reward=0.0)
+    res["wider_error"] = _raises(lambda: stats_tracker.export_all(reduce_group=dp))
+    if rank == 0:  # resolve the clash locally; "wide" stays for the retry
+        stats_tracker.get("rollout").export()
+        stats_tracker.export(key="rollout/reward")
+    res["wider_retry"] = stats_tracker.export_all(reduce_group=dp)
+
+    # 9. With key_sync_group (as in the reference), a wide key recorded on rank 0 only is
+    #    agreed in the wide group: ranks 1 and 2 join it with identity values.
+    if rank == 0:
+        stats_tracker.scalar(reduce_group=world_group, wide2=5.0)
+    stats_tracker.scalar(narrow=float(rank))
+    res["key_sync"] = stats_tracker.export_all(reduce_group=dp, key_sync_group=world_group)
+    return res
+
+
+def test_errors_are_raised_on_every_rank_without_hanging() -> None:
+    res = run_ranks(_consistency_scenarios, 3, timeout=120)
+    assert res[0]["streamed"] == [3.0, 1.0]
+    for r in range(3):
+        assert res[r]["collision"] is not None and "rollout/reward" in res[r]["collision"]
+        assert res[r]["collision_kept"] == {"rollout/reward": float(r), "rollout/reward__count": 1}
+        assert res[r]["group_clash"] is not None and "`c`" in res[r]["group_clash"]
+        assert res[r]["no_handle"] is not None and "handle" in res[r]["no_handle"]
+        assert "fresh" in res[r]["no_handle"]
+    for r in (0, 1):
+        assert res[r]["solo"] == {"solo": 4.0, "solo__count": 1}
+        assert res[r]["subgroups"] == {"pp": 0.5, "pp__count": 2}
+        assert res[r]["no_default"] is not None and "`x`" in res[r]["no_default"]
+    assert res[2]["solo"] == {}
+    assert res[2]["subgroups"] == {"pp": 2.0, "pp__count": 1}
+    assert res[2]["no_default"] is not None and "another rank" in res[2]["no_default"]
+    for r in range(3):
+        assert res[r]["wider"]["wide"] == 1.0 and res[r]["wider"]["wide__count"] == 3
+        assert res[r]["wider_error"] is not None
+        assert res[r]["wider_retry"] == {"wide": 1.0, "wide__count": 3}
+    assert "rollout/reward" in res[0]["wider_error"]
+    assert "another rank" in res[2]["wider_error"]
+    for r in (0, 1):
+        assert res[r]["wider"]["narrow"] == 0.5 and res[r]["wider"]["narrow__count"] == 2
+    assert res[2]["wider"]["narrow"] == 2.0 and res[2]["wider"]["narrow__count"] == 1
+    for r in range(3):
+        assert res[r]["key_sync"]["wide2"] == 5.0 and res[r]["key_sync"]["wide2__count"] == 1
+        assert res[r]["key_sync"]["narrow__count"] == (2 if r < 2 else 1)

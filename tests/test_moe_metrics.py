@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -137,8 +138,20 @@ def test_bad_inputs() -> None:
     with pytest.raises(ValueError, match="cannot declare"):
         t.declare_layer(0, 5)
     t.record(1, counts=torch.tensor([-3, 1]))
-    with pytest.raises(ValueError, match="negative"):
+    with pytest.raises(ValueError, match=r"layer 1 .* -3"):
         t.export()
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, 1.5])
+def test_non_finite_or_fractional_counts_are_an_error_not_an_idle_layer(bad: float) -> None:
+    # A NaN count used to read as a layer with no assignments (max_over_ideal 0).
+    t = MoEBalanceTracker()
+    t.record(0, counts=torch.tensor([1.0, 2.0]))
+    t.record(3, counts=torch.tensor([bad, 1.0]))
+    with pytest.raises(ValueError, match="layer 3"):
+        t.export()
+    t.record(0, counts=torch.tensor([1.0, 3.0]))  # the next window is clean
+    assert t.export()["moe_balance/layer_0/max_over_ideal"] == 1.5
 
 
 # ----------------------------------------------------------- hooks on tiny models

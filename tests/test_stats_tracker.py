@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import math
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -261,24 +263,42 @@ def test_record_timing_sync_async_and_decorator() -> None:
 async def test_scopes_are_per_task_across_awaits() -> None:
     n = 1000
     gate = asyncio.Event()
+    all_in = asyncio.Event()
+    arrived = 0
+
+    async def child(i: int) -> None:
+        # Created inside the parent's scope: inherits it; its own scope stays its own.
+        with stats_tracker.scope("child"):
+            await asyncio.sleep(0)
+            stats_tracker.scalar(c=float(i))
 
     async def workflow(i: int) -> None:
+        nonlocal arrived
         with stats_tracker.scope(f"w{i}"):
+            arrived += 1
+            if arrived == n:
+                all_in.set()
             await gate.wait()  # every task is inside its scope at once
+            spawned = asyncio.create_task(child(i))
             with stats_tracker.scope("inner"):
                 await asyncio.sleep(0)
                 stats_tracker.scalar(v=float(i))
+            await spawned
+            stats_tracker.scalar(after=float(i))
             stats_tracker.get("rollout").scalar(reward=float(i))
 
     tasks = [asyncio.create_task(workflow(i)) for i in range(n)]
-    await asyncio.sleep(0)
+    await asyncio.wait_for(all_in.wait(), timeout=30)
     gate.set()
     await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
     out = stats_tracker.export_all()
     for i in range(n):
         assert out[f"w{i}/inner/v"] == float(i)
+        assert out[f"w{i}/child/c"] == float(i)
+        assert out[f"w{i}/after"] == float(i)
     assert out["rollout/reward"] == pytest.approx((n - 1) / 2)
     assert out["rollout/reward__count"] == n
+    assert len(out) == 2 * (3 * n + 1)
     assert stats_tracker.DEFAULT_TRACKER.current_scope() == ""
 
 
@@ -326,6 +346,41 @@ def test_threads_record_concurrently_without_loss() -> None:
         assert not t.is_alive()
     out = tracker.export()
     assert out["threads/x__count"] == per_thread * n_threads
+
+
+def test_fold_export_and_take_records_race_recording_without_loss_or_double_count() -> None:
+    # Recording threads run until the main thread has folded, taken and exported many
+    # times under them; every recorded value must come out exactly once.
+    tracker = stats_tracker.get("race")
+    stop = threading.Event()
+    recorded = [0, 0, 0]
+
+    def work(slot: int) -> None:
+        n = 0
+        while not stop.is_set():
+            for _ in range(100):
+                tracker.scalar(x=1.0)
+            n += 100
+        recorded[slot] = n
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(recorded))]
+    for t in threads:
+        t.start()
+    seen = 0.0
+    try:
+        for _ in range(200):
+            tracker.fold()
+            recs = stats_tracker.take_records()
+            if "race/x" in recs:
+                seen += recs["race/x"][1][1]
+            seen += tracker.export(reset=True).get("race/x__count", 0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    seen += tracker.export().get("race/x__count", 0)
+    assert seen == sum(recorded) > 0
 
 
 def test_ring_is_bounded_and_folding_is_exact() -> None:
@@ -388,3 +443,189 @@ def test_take_records_merges_a_key_recorded_by_two_trackers() -> None:
     stats_tracker.get("rollout").scalar(reward=0.0)
     recs = stats_tracker.take_records()
     assert recs["rollout/reward"] == (ReduceType.SCALAR, [1.0, 2.0, math.inf, -math.inf])
+
+
+def test_scope_decorates_generator_functions_step_by_step() -> None:
+    # The body records under the scope; the consumer, between items, does not.
+    @stats_tracker.scope("gen")
+    def produce(n: int) -> Generator[int, int | None, None]:
+        try:
+            for i in range(n):
+                stats_tracker.scalar(inside=float(i))
+                sent = yield i
+                if sent is not None:
+                    stats_tracker.scalar(sent=float(sent))
+        finally:
+            stats_tracker.scalar(closed=1.0)
+
+    assert inspect.isgeneratorfunction(produce)  # still one, for frameworks that look
+    g = produce(5)
+    assert next(g) == 0
+    stats_tracker.scalar(outside=1.0)
+    assert g.send(7) == 1
+    stats_tracker.scalar(outside=1.0)
+    g.close()
+    assert stats_tracker.DEFAULT_TRACKER.current_scope() == ""
+    assert list(produce(2)) == [0, 1]
+    out = stats_tracker.export()
+    assert out == {
+        "gen/inside": 0.5,
+        "gen/inside__count": 4,
+        "gen/sent": 7.0,
+        "gen/sent__count": 1,
+        "gen/closed": 1.0,
+        "gen/closed__count": 2,
+        "outside": 1.0,
+        "outside__count": 2,
+    }
+
+
+async def test_scope_decorates_async_generators_per_task() -> None:
+    @stats_tracker.scope("agen")
+    async def produce(tag: float) -> AsyncIterator[float]:
+        for _ in range(3):
+            await asyncio.sleep(0)
+            stats_tracker.scalar(inside=tag)
+            yield tag
+
+    assert inspect.isasyncgenfunction(produce)
+
+    async def consume(tag: float) -> None:
+        with stats_tracker.scope(f"c{int(tag)}"):
+            async for item in produce(tag):
+                assert stats_tracker.DEFAULT_TRACKER.current_scope() == f"c{int(tag)}/"
+                stats_tracker.scalar(got=item)
+
+    await asyncio.wait_for(asyncio.gather(consume(1.0), consume(2.0)), timeout=10)
+    out = stats_tracker.export()
+    assert out == {
+        "c1/agen/inside": 1.0,
+        "c1/agen/inside__count": 3,
+        "c1/got": 1.0,
+        "c1/got__count": 3,
+        "c2/agen/inside": 2.0,
+        "c2/agen/inside__count": 3,
+        "c2/got": 2.0,
+        "c2/got__count": 3,
+    }
+
+
+def test_record_timing_obeys_kind_checks_and_the_ring_bound() -> None:
+    # A timing used to bypass both: a stat of the same key silently replaced the timings
+    # at export, and timings alone grew the ring without bound until export.
+    stats_tracker.denominator(m=torch.ones(2, dtype=torch.bool))
+    timed: dict[str, Any] = {"timeperf/step": torch.ones(2)}
+    stats_tracker.stat("m", **timed)
+    with pytest.raises(ValueError, match="timeperf/step"), stats_tracker.record_timing("step"):
+        pass
+    assert stats_tracker.export()["timeperf/step/avg"] == 1.0
+    tracker = stats_tracker.get("timing-ring")
+    for _ in range(stats_tracker.RING_CAPACITY + 5):
+        with tracker.record_timing("t"):
+            pass
+        assert tracker.pending_events() < stats_tracker.RING_CAPACITY
+    assert tracker.export()["timing-ring/timeperf/t__count"] == stats_tracker.RING_CAPACITY + 5
+
+
+def test_a_key_whose_batches_change_device_keeps_accumulating() -> None:
+    # Meta stands in for a second device (CPU-only here): the old fold added tensors of
+    # two devices and raised a RuntimeError midway through the call.
+    with stats_tracker.scope("moved"):
+        stats_tracker.denominator(m=torch.ones(2, dtype=torch.bool, device="meta"))
+        stats_tracker.stat(a=torch.ones(2, device="meta"), denominator="m")
+        stats_tracker.denominator(m=torch.ones(2, dtype=torch.bool))
+        stats_tracker.stat(a=torch.ones(2), denominator="m")
+    acc = stats_tracker.DEFAULT_TRACKER._tensors["moved/a"][1]
+    assert acc.sw.device.type == "meta" and acc.lo is not None and acc.lo.device.type == "meta"
+
+
+async def test_scope_decorates_callables_that_return_coroutines_or_generators() -> None:
+    # Not coroutine/generator *functions* to inspect: the scope must still cover the
+    # body, which runs only when awaited or iterated.
+    class Agent:
+        async def __call__(self, i: int) -> int:
+            await asyncio.sleep(0)
+            stats_tracker.scalar(turn=float(i))
+            return i
+
+    class Source:
+        def __call__(self) -> Iterator[int]:
+            def body() -> Iterator[int]:
+                stats_tracker.scalar(item=1.0)
+                yield 1
+
+            return body()
+
+    agent = stats_tracker.scope("agent")(Agent())
+    source = stats_tracker.scope("source")(Source())
+    assert await asyncio.wait_for(agent(3), timeout=10) == 3
+    assert list(source()) == [1]
+    assert stats_tracker.export() == {
+        "agent/turn": 3.0,
+        "agent/turn__count": 1,
+        "source/item": 1.0,
+        "source/item__count": 1,
+    }
+
+
+def test_ring_mixes_unscoped_and_scoped_events() -> None:
+    # A fresh tracker appends bare dicts until a scope is first used, (scope, dict) after.
+    tracker = stats_tracker.DistributedStatsTracker("mixed")
+    tracker.scalar(a=1.0)
+    with tracker.scope("s"):
+        tracker.scalar(a=3.0)
+    tracker.scalar(a=5.0)
+    tracker.fold()
+    with tracker.scope("s"):
+        tracker.scalar(a=7.0)
+    assert tracker.pending_events() == 1
+    assert tracker.export() == {
+        "mixed/a": 3.0,
+        "mixed/a__count": 2,
+        "mixed/s/a": 5.0,
+        "mixed/s/a__count": 2,
+    }
+
+
+async def test_decorated_generators_keep_their_inner_scopes_across_yields() -> None:
+    # The body yields inside its own scope: that scope stays the body's (its later
+    # records carry it) and never leaks into the consumer between items.
+    @stats_tracker.scope("g")
+    def turns() -> Iterator[int]:
+        for i in range(2):
+            with stats_tracker.scope("turn"):
+                yield i
+                stats_tracker.scalar(x=1.0)
+        stats_tracker.scalar(end=1.0)
+
+    @stats_tracker.scope("ag")
+    async def aturns() -> AsyncIterator[int]:
+        for i in range(2):
+            with stats_tracker.scope("turn"):
+                await asyncio.sleep(0)
+                yield i
+                stats_tracker.scalar(x=1.0)
+
+    for _ in turns():
+        assert stats_tracker.DEFAULT_TRACKER.current_scope() == ""
+        stats_tracker.scalar(consumer=1.0)
+
+    async def consume() -> None:
+        async for _ in aturns():
+            assert stats_tracker.DEFAULT_TRACKER.current_scope() == ""
+            stats_tracker.scalar(aconsumer=1.0)
+
+    await asyncio.wait_for(asyncio.gather(consume(), consume()), timeout=10)
+    out = stats_tracker.export()
+    assert out == {
+        "g/turn/x": 1.0,
+        "g/turn/x__count": 2,
+        "g/end": 1.0,
+        "g/end__count": 1,
+        "consumer": 1.0,
+        "consumer__count": 2,
+        "ag/turn/x": 1.0,
+        "ag/turn/x__count": 4,
+        "aconsumer": 1.0,
+        "aconsumer__count": 4,
+    }
