@@ -15,7 +15,7 @@ Producer frames (worker / trainer -> controller, one ZMQ PUSH stream per produce
 - ``train``  one training step's exported stats (numbers and tagged tables)
 
 Controller frames (control PUB): ``seal`` (step), ``committed`` (step), ``welcome`` (answer
-to a hello), ``byeack``.
+to a hello, with the controller's frame limits), ``byeack``.
 
 A table travels as the tagged map ``{"__table__": 1, "columns", "rows", "index",
 "heatmap"}``; :func:`decode` returns it as :class:`TableData` so ``bus`` never needs the
@@ -24,7 +24,6 @@ user-facing ``Table`` class.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +37,9 @@ DEFAULT_MAX_KEYS = 100_000
 MAX_KEY_LEN = 1024
 MAX_ID_LEN = 256
 MAX_TABLE_CELLS = 1_000_000
+MAX_WEIGHT = 2.0**53
+"""A record's weight counts elements; past 2**53 a float64 count is no longer exact (and a
+weight near the float limit would overflow to inf when two records merge)."""
 
 _RTYPES = frozenset(int(r) for r in ReduceType)
 _NUM = (int, float)
@@ -126,10 +128,14 @@ class ByeAck:
 
 @dataclass(frozen=True)
 class Welcome:
-    """The controller has registered this producer (answer to ``hello``)."""
+    """The controller has registered this producer (answer to ``hello``). ``max_bytes`` and
+    ``max_keys`` are its limits per frame, so producers split their batches to fit (a larger
+    frame would be dropped by libzmq, one with more keys refused by the decoder)."""
 
     src: str
     inc: str
+    max_bytes: int | None = None
+    max_keys: int | None = None
 
 
 Message = Hello | Batch | Heartbeat | Bye | Train | Seal | Committed | ByeAck | Welcome
@@ -223,8 +229,15 @@ def encode_byeack(src: str, inc: str) -> bytes:
     return _pack({"v": VERSION, "t": "byeack", "src": src, "inc": inc})
 
 
-def encode_welcome(src: str, inc: str) -> bytes:
-    return _pack({"v": VERSION, "t": "welcome", "src": src, "inc": inc})
+def encode_welcome(
+    src: str, inc: str, max_bytes: int | None = None, max_keys: int | None = None
+) -> bytes:
+    d: dict[str, Any] = {"v": VERSION, "t": "welcome", "src": src, "inc": inc}
+    if max_bytes is not None:
+        d["mb"] = int(max_bytes)
+    if max_keys is not None:
+        d["mk"] = int(max_keys)
+    return _pack(d)
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -258,10 +271,14 @@ def _float(v: Any, what: str) -> float:
     raise DecodeError("schema", f"{what} must be a number, got {type(v).__name__}")
 
 
-def _decode_header(d: dict[str, Any]) -> Header:
+def _decode_header(d: dict[str, Any], role_of_kind: str | None = None) -> Header:
+    """The sender's header; ``role_of_kind`` is the only role this message kind may carry
+    (a train report from a "rollout" producer would be waited on for marks it never sends)."""
     role = d.get("role", "rollout")
     if role not in ("rollout", "train"):
-        raise DecodeError("schema", f"unknown role {role!r}")
+        raise DecodeError("schema", f"unknown role {role!r:.40}")
+    if role_of_kind is not None and role != role_of_kind:
+        raise DecodeError("schema", f"a {d.get('t')!r} frame must come from role {role_of_kind!r}")
     return Header(src=_str(d, "src"), inc=_str(d, "inc"), seq=_int(d, "seq", 0), role=role)
 
 
@@ -281,7 +298,7 @@ def _decode_records(raw: Any, max_keys: int) -> dict[str, tuple[int, Record]]:
             raise DecodeError("schema", f"record {k!r} has unknown reduce type {rt!r}")
         rec = [_float(x, f"record {k!r}") for x in v[1:]]
         w = rec[1]
-        if not (w >= 0.0) or math.isinf(w):
+        if not 0.0 <= w <= MAX_WEIGHT:  # also refuses NaN and inf
             raise DecodeError("schema", f"record {k!r} has invalid weight {w!r}")
         out[k] = (rt, rec)
     return out
@@ -293,10 +310,14 @@ def _decode_table(key: str, d: dict[Any, Any]) -> TableData:
     cols, rows, index, heat = d["columns"], d["rows"], d["index"], d["heatmap"]
     if type(cols) is not list or not all(type(c) is str for c in cols):
         raise DecodeError("schema", f"stat {key!r}: table columns must be strs")
+    if len(set(cols)) != len(cols):
+        raise DecodeError("schema", f"stat {key!r}: table columns must be unique")
     if type(index) is not list or not all(type(c) is str and c in cols for c in index):
         raise DecodeError("schema", f"stat {key!r}: table index must name columns")
-    if heat is not None and (type(heat) is not str or heat not in cols):
-        raise DecodeError("schema", f"stat {key!r}: table heatmap must name a column")
+    if heat is not None and (type(heat) is not str or heat not in cols or len(index) != 2):
+        raise DecodeError(
+            "schema", f"stat {key!r}: table heatmap must name a column, with two index columns"
+        )
     if type(rows) is not list or len(rows) * max(len(cols), 1) > MAX_TABLE_CELLS:
         raise DecodeError("schema", f"stat {key!r}: table rows must be a bounded list")
     out_rows = []
@@ -367,7 +388,7 @@ def decode(
     if t == "batch":
         mark = obj.get("mark")
         return Batch(
-            head=_decode_header(obj),
+            head=_decode_header(obj, "rollout"),
             records=_decode_records(obj.get("r"), max_keys),
             events=_int(obj, "n", 0),
             mark=None if mark is None else _int(obj, "mark"),
@@ -383,7 +404,7 @@ def decode(
         return Bye(_decode_header(obj))
     if t == "train":
         return Train(
-            head=_decode_header(obj),
+            head=_decode_header(obj, "train"),
             step=_int(obj, "step"),
             epoch=_int(obj, "epoch"),
             epoch_step=_int(obj, "estep"),
@@ -396,5 +417,7 @@ def decode(
     if t == "byeack":
         return ByeAck(_str(obj, "src"), _str(obj, "inc"))
     if t == "welcome":
-        return Welcome(_str(obj, "src"), _str(obj, "inc"))
+        mb = None if obj.get("mb") is None else _int(obj, "mb", 1)
+        mk = None if obj.get("mk") is None else _int(obj, "mk", 1)
+        return Welcome(_str(obj, "src"), _str(obj, "inc"), mb, mk)
     raise DecodeError("schema", f"unknown message type {t!r:.40}")

@@ -14,14 +14,21 @@ announces its seal; every live worker flushes and answers with a batch carrying
   answering a seal it was not waited on for) as ``carried_events``;
 - a worker silent past a seal's timeout is counted missing and is no longer waited on
   (``suspect``) until it answers a seal again; a worker silent for longer than its
-  heartbeat allowance is ``gone``: its pending records move to the carry;
+  heartbeat allowance is ``gone``: its pending records move to the carry. Silence is
+  counted only while the controller is checking: a gap between two checks longer than
+  half of ``gone_min`` (the controller stalled, or shares a stalled event loop with the
+  workers) is not held against anyone;
 - a new incarnation of a worker id retires the old one (its pending records move to the
-  carry); a ``bye`` does the same for a clean close;
+  carry); a ``bye`` does the same for a clean close; a ``hello`` numbered at or below what
+  its incarnation already sent is a restart that reused the incarnation, handled the same
+  way (otherwise every frame of the new process would be dropped as a duplicate);
 - duplicate frames (same id, incarnation and sequence number) are dropped and counted,
   skipped sequence numbers are counted as gaps.
 
-Windows commit strictly in step order. Every method takes ``now`` (seconds, any
-monotonic clock) so tests drive time explicitly.
+Windows commit strictly in step order. Rollout-only runs open windows on a timer
+(``open_timer_window``) only until a trainer has registered: timer windows take global step
+numbers, so a trainer's report for a step a timer window already committed would be stale.
+Every method takes ``now`` (seconds, any monotonic clock) so tests drive time explicitly.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ DELTA_COUNTERS = (
     "gone_workers",
     "stale_train_steps",
     "type_conflicts",
+    "internal_errors",
+    "commit_errors",
 )
 
 
@@ -143,14 +152,17 @@ class WindowBook:
         self.gone_heartbeats = gone_heartbeats
         self.reannounce_interval = reannounce_interval
         self.producers: dict[ProducerKey, ProducerState] = {}
-        self.current_inc: dict[str, ProducerKey] = {}
+        # (role, id) -> current incarnation: a worker and the trainer may share an id
+        self.current_inc: dict[tuple[str, str], ProducerKey] = {}
         self.windows: dict[int, Window] = {}
         self.carry: Records = {}
         self.carry_events = 0
         self.last_committed: int | None = None
+        self.last_timer_step: int | None = None
         self.totals: dict[str, int] = dict.fromkeys(DELTA_COUNTERS, 0)
         self._at_last_commit: dict[str, int] = dict(self.totals)
         self.workers_seen = 0
+        self._last_check: float | None = None
 
     # ------------------------------------------------------------------ counters
 
@@ -171,6 +183,11 @@ class WindowBook:
 
     # ------------------------------------------------------------------ producers
 
+    @property
+    def trainer_known(self) -> bool:
+        """Whether a trainer has registered (its reports, not a timer, open windows)."""
+        return any(p.role == "train" for p in self.producers.values())
+
     def _live_workers(self) -> list[ProducerState]:
         return [p for p in self.producers.values() if p.role == "rollout" and p.live]
 
@@ -187,9 +204,9 @@ class WindowBook:
         p = self.producers.get(key)
         if p is None:
             p = ProducerState(key=key, role=head.role, heartbeat=1.0, last_seen=now)
-            p.hi_seq = head.seq - 1 if head.seq > 0 else 0
+            p.hi_seq = head.seq - 1  # the first frame seen is accepted, whatever its number
             self.producers[key] = p
-            old = self.current_inc.get(head.src)
+            old = self.current_inc.get((head.role, head.src))
             if old is not None and old != key:
                 prev = self.producers[old]
                 if not prev.retired:
@@ -197,7 +214,7 @@ class WindowBook:
                     self._retire_to_carry(prev)
                     if prev.role == "rollout":
                         self.count("restarts")
-            self.current_inc[head.src] = key
+            self.current_inc[(head.role, head.src)] = key
             if head.role == "rollout":
                 self.workers_seen += 1
             if p.hi_seq > 0:
@@ -221,6 +238,23 @@ class WindowBook:
             p.gone = False
         return p
 
+    def _forget_if_restarted(self, head: Header) -> None:
+        """A hello numbered at or below what its incarnation already sent comes from a new
+        process that reused the incarnation: retire the old state (pending -> carry) so the
+        new process starts a fresh sequence instead of having its frames dropped as
+        duplicates. (ZMQ over TCP never duplicates a frame.)"""
+        key = (head.src, head.inc)
+        p = self.producers.get(key)
+        if p is None or head.seq > p.hi_seq or head.seq in p.holes:
+            return
+        p.retired = True
+        self._retire_to_carry(p)
+        del self.producers[key]
+        if self.current_inc.get((head.role, head.src)) == key:  # else _accept retires it
+            del self.current_inc[(head.role, head.src)]
+            if p.role == "rollout":
+                self.count("restarts")
+
     @staticmethod
     def _add_holes(p: ProducerState, lo: int, hi: int) -> None:
         for s in range(max(lo, hi - _MAX_HOLES + 1), hi + 1):
@@ -238,6 +272,7 @@ class WindowBook:
             step = self.on_train(msg, now)
             return [] if step is None else [step]
         elif isinstance(msg, Hello):
+            self._forget_if_restarted(msg.head)
             p = self._accept(msg.head, now)
             if p is not None:
                 p.heartbeat = msg.heartbeat
@@ -321,8 +356,11 @@ class WindowBook:
         self._open(step, now, report)
         return step
 
-    def open_timer_window(self, now: float) -> int:
-        """Open the next window without a train report (rollout-only runs)."""
+    def open_timer_window(self, now: float) -> int | None:
+        """Open the next window without a train report (rollout-only runs); None once a
+        trainer has registered, whose reports then number the windows."""
+        if self.trainer_known:
+            return None
         top = max([self.last_committed or 0, *self.windows])
         step = top + 1
         self._open(step, now, None).timer = True
@@ -358,9 +396,13 @@ class WindowBook:
         return out
 
     def _check_gone(self, now: float) -> None:
+        gap = 0.0 if self._last_check is None else now - self._last_check
+        self._last_check = now
         for p in self.producers.values():
             if p.role != "rollout" or not p.live:
                 continue
+            if gap > self.gone_min / 2:  # the controller was not checking: not their silence
+                p.last_seen = min(p.last_seen + gap, now)
             allowance = max(self.gone_min, self.gone_heartbeats * p.heartbeat)
             if now - p.last_seen > allowance:
                 p.gone = True
@@ -413,6 +455,8 @@ class WindowBook:
         self.last_committed = (
             w.step if self.last_committed is None else max(self.last_committed, w.step)
         )
+        if w.timer and w.train is None:
+            self.last_timer_step = self.last_committed
         return SealedWindow(w.step, w.train, w.records, counters, missing)
 
     def drain(self, now: float) -> list[SealedWindow]:

@@ -22,6 +22,7 @@ from bus._codec import (
     Seal,
     TableData,
     Train,
+    Welcome,
     decode,
     encode_batch,
     encode_bye,
@@ -31,6 +32,7 @@ from bus._codec import (
     encode_hello,
     encode_seal,
     encode_train,
+    encode_welcome,
 )
 
 H = Header("w-1", "inc-a", 7)
@@ -64,6 +66,8 @@ def test_control_and_lifecycle_frames_round_trip() -> None:
     assert decode(encode_seal(5)) == Seal(5)
     assert decode(encode_committed(9)) == Committed(9)
     assert decode(encode_byeack("w", "i")) == ByeAck("w", "i")
+    assert decode(encode_welcome("w", "i")) == Welcome("w", "i", None)
+    assert decode(encode_welcome("w", "i", 65536, 100)) == Welcome("w", "i", 65536, 100)
 
 
 def test_train_round_trip_with_table_value() -> None:
@@ -159,3 +163,86 @@ def test_size_and_key_count_limits() -> None:
     # a map header claiming 2**31 entries in a tiny frame is refused before allocation
     absurd = b"\xdf\x7f\xff\xff\xff"
     assert _reason(absurd) in ("too_many_keys", "garbage")
+
+
+def _train_frame(stats: dict[str, object], role: str = "train") -> bytes:
+    return msgpack.packb(
+        {"v": 1, "t": "train", "src": "t", "inc": "i", "seq": 1, "role": role,
+         "step": 1, "epoch": 0, "estep": 1, "stats": stats}
+    )  # fmt: skip
+
+
+def test_tables_the_receiver_cannot_build_are_refused_by_the_decoder() -> None:
+    """Regression: these decoded fine and then made ``Table()`` raise in the controller's
+    committer task, which stopped every later commit."""
+    tbl = {"__table__": 1, "columns": ["a", "b"], "rows": [[1, 2]], "index": [], "heatmap": None}
+    assert isinstance(decode(_train_frame({"x": tbl})), Train)
+    assert _reason(_train_frame({"x": {**tbl, "columns": ["a", "a"]}})) == "schema"
+    assert _reason(_train_frame({"x": {**tbl, "index": ["a"], "heatmap": "b"}})) == "schema"
+    ok = {**tbl, "columns": ["a", "b", "c"], "rows": [[1, 2, 3]], "index": ["a", "b"]}
+    assert isinstance(decode(_train_frame({"x": {**ok, "heatmap": "c"}})), Train)
+
+
+def test_record_weights_are_bounded_and_roles_match_the_message() -> None:
+    """Regression: a weight near the float limit overflowed to inf when two frames merged,
+    and projecting the SCALAR count (``int(inf)``) crashed the committer."""
+    base = {"v": 1, "t": "batch", "src": "w", "inc": "i", "seq": 1, "n": 1}
+    ok = msgpack.packb({**base, "r": {"k": [6, 1.0, 2.0**53, 1.0, 1.0]}})
+    assert isinstance(decode(ok), Batch)
+    assert _reason(msgpack.packb({**base, "r": {"k": [6, 1.0, 1e308, 1.0, 1.0]}})) == "schema"
+    assert _reason(msgpack.packb({**base, "role": "train", "r": {}})) == "schema"
+    assert _reason(_train_frame({"loss": 1.0}, role="rollout")) == "schema"
+
+
+def test_fuzzed_frames_raise_only_decode_error() -> None:
+    """A seeded fuzz: random bytes, mutated valid frames and valid msgpack of wrong shape
+    never raise anything but DecodeError, and what decodes can be windowed and assembled."""
+    import random
+
+    from areal_stream.controller import assemble
+    from bus._window import WindowBook
+
+    rng = random.Random(20261130)
+    th = Header("t", "i", 1, "train")
+    table = Table(["a", "b"], [[1, 2.5]], index=["a"])
+    valid = [
+        encode_batch(H, {"k": (6, [1.0, 1.0, 1.0, 1.0]), "a": (1, [2.0, 2.0, 0.0, 2.0])}, 3, 2),
+        encode_hello(H, 0.5),
+        encode_heartbeat(H),
+        encode_bye(H),
+        encode_train(th, 3, 0, 3, {"loss": 0.5, "x": 1.0, "x__count": 3, "tb": table}),
+    ]
+    atoms: list[object] = [None, True, 0, -1, 2**63 - 1, -(2**63), 2**64 - 1, 1.5, math.nan,
+                           math.inf, 1e308, "", "x", "__table__", b"\x00", 6, [], {}]  # fmt: skip
+
+    def mutate(o: object, depth: int = 0) -> object:
+        if isinstance(o, dict) and o:
+            k = rng.choice(list(o))
+            o[k] = rng.choice(atoms) if depth > 2 or rng.random() < 0.5 else mutate(o[k], depth + 1)
+        elif isinstance(o, list) and o:
+            i = rng.randrange(len(o))
+            o[i] = rng.choice(atoms) if depth > 2 or rng.random() < 0.5 else mutate(o[i], depth + 1)
+        return o
+
+    book = WindowBook(seal_timeout=0.01)
+    decoded = 0
+    for i in range(3000):
+        r = rng.random()
+        if r < 0.2:
+            frame = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 48)))
+        elif r < 0.5:
+            buf = bytearray(rng.choice(valid))
+            buf[rng.randrange(len(buf))] = rng.getrandbits(8)
+            frame = bytes(buf[: rng.randint(len(buf) // 2, len(buf))])
+        else:
+            frame = msgpack.packb(mutate(msgpack.unpackb(rng.choice(valid))))
+        try:
+            msg = decode(frame, max_keys=64)
+        except DecodeError:
+            continue
+        decoded += 1
+        if isinstance(msg, (Hello, Heartbeat, Bye, Batch, Train)):
+            book.handle(msg, i * 0.02)
+            for sealed in book.tick(i * 0.02):
+                assemble(sealed)
+    assert decoded > 100

@@ -102,6 +102,7 @@ def trainer_ranks(rank: int, world: int, data: str, control: str, stop_file: str
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.RCVTIMEO, 20_000)
         sub.connect(control)
+        _until_subscribed(ctx, sub, data)
     train = TrainStream(data, group=dist.group.WORLD)
     steps = 0
     try:
@@ -129,6 +130,29 @@ def trainer_ranks(rank: int, world: int, data: str, control: str, stop_file: str
             sub.close(0)
             ctx.term()
     return {"steps": steps}
+
+
+def _until_subscribed(ctx: Any, sub: Any, data: str) -> None:
+    """Say hello (as a probe, not a worker) until the controller's welcome arrives on
+    ``sub``: a SUB connected just now may miss what is published before its subscription
+    reaches the controller, and the "committed" notice for step 1 is published once."""
+    import zmq
+
+    from bus._codec import Header, Welcome, decode, encode_hello
+
+    probe = ctx.socket(zmq.PUSH)
+    probe.setsockopt(zmq.LINGER, 0)
+    probe.connect(data)
+    try:
+        for seq in range(1, 400):  # at most 20 s
+            probe.send(encode_hello(Header("sub-probe", "p", seq, "train"), 3599.0))
+            while sub.poll(50):
+                msg = decode(sub.recv())
+                if isinstance(msg, Welcome) and msg.src == "sub-probe":
+                    return
+        raise TimeoutError("the controller never welcomed the probe")
+    finally:
+        probe.close(0)
 
 
 # ---------------------------------------------------------------------------- the test

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +79,15 @@ async def workflow(src: LocalRecordSource, rng: random.Random, n: int, t: Tally)
         await asyncio.sleep(0)
 
 
+@pytest.fixture
+def ctx() -> Iterator[zmq.asyncio.Context]:
+    """One context for a test's workers; destroyed (closing any socket a failed test left
+    open) rather than terminated, which would block on such a socket."""
+    c = zmq.asyncio.Context()
+    yield c
+    c.destroy(linger=0)
+
+
 @asynccontextmanager
 async def controller(**kw: Any) -> AsyncIterator[tuple[ControllerService, ListSink]]:
     sink = ListSink()
@@ -104,9 +113,10 @@ def step_tally(stats: Mapping[str, Any]) -> tuple[int, float, float | None, floa
     )
 
 
-async def test_phased_recording_is_exact_per_step_with_join_restart_and_crash() -> None:
+async def test_phased_recording_is_exact_per_step_with_join_restart_and_crash(
+    ctx: zmq.asyncio.Context,
+) -> None:
     rng = random.Random(7)
-    ctx = zmq.asyncio.Context()
     async with controller(seal_timeout=5.0, gone_min=0.5) as (svc, sink):
         srcs = [LocalRecordSource() for _ in range(N_WORKERS)]
 
@@ -164,7 +174,6 @@ async def test_phased_recording_is_exact_per_step_with_join_restart_and_crash() 
             await asyncio.gather(*(s.aclose() for s in streams))
             if late is not None:
                 await late.aclose()
-    ctx.term()
     assert sorted(sink.steps)[:5] == [1, 2, 3, 4, 5]
     for step, t in expected.items():
         stats = sink.steps[step]
@@ -184,10 +193,11 @@ async def test_phased_recording_is_exact_per_step_with_join_restart_and_crash() 
     assert sink.steps[5]["bus/missing_workers"] == 0
 
 
-async def test_continuous_streaming_conserves_counts_and_sums_under_garbage() -> None:
+async def test_continuous_streaming_conserves_counts_and_sums_under_garbage(
+    ctx: zmq.asyncio.Context,
+) -> None:
     """Workflows record while the trainer commits; over the whole run nothing is lost or
     counted twice, with garbage injected into the controller's socket meanwhile."""
-    ctx = zmq.asyncio.Context()
     async with controller(seal_timeout=5.0) as (svc, sink):
         srcs = [LocalRecordSource() for _ in range(N_WORKERS)]
         streams = [
@@ -221,7 +231,6 @@ async def test_continuous_streaming_conserves_counts_and_sums_under_garbage() ->
             bad.close(0)
             await asyncio.to_thread(trainer.close)
             await asyncio.gather(*(s.aclose() for s in streams))
-    ctx.term()
     total = Tally()
     for x in tallies:
         total.add(x)

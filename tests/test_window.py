@@ -272,3 +272,89 @@ def test_joiner_answering_a_committed_seal_is_carried_not_late() -> None:
     [sw2] = book.tick(0.5)
     assert weight(sw1) == 0 and weight(sw2) == 3
     assert sw2.counters["late_events"] == 0 and sw2.counters["carried_events"] == 3
+
+
+def test_restart_that_reuses_its_incarnation_keeps_its_data() -> None:
+    """Regression: a restarted process that passed the same ``incarnation`` numbers its
+    frames from 1 again; they were all dropped as duplicates of the old process's."""
+    book = WindowBook(seal_timeout=10.0)
+    old, t = W("a", "fixed"), T()
+    book.handle(old.hello(), 0.0)
+    for _ in range(5):
+        book.handle(old.batch(1.0, 2), 0.1)  # seq 2..6; no mark: pending at the crash
+    new = W("a", "fixed")  # the restarted process: same id and incarnation, seq from 1
+    book.handle(new.hello(), 0.5)
+    book.handle(new.batch(1.0, 3), 0.6)
+    book.handle(t.step(1), 0.7)
+    assert book.waiting_on(1) == [("a", "fixed")]  # the new process is waited on
+    book.handle(new.batch(0, 0, mark=1), 0.8)
+    [sw] = book.tick(0.8)
+    assert weight(sw) == 13
+    assert sw.counters["duplicate_batches"] == 0 and sw.counters["restarts"] == 1
+    assert sw.counters["workers_seen"] == 2
+
+
+def test_timer_stops_opening_windows_once_a_trainer_registers() -> None:
+    """Regression: with --commit-every, timer windows kept taking step numbers until the
+    trainer's first report, so its reports for those steps were dropped as stale."""
+    book = WindowBook(seal_timeout=10.0)
+    a, t = W("a"), T()
+    book.handle(a.hello(), 0.0)
+    assert book.open_timer_window(0.0) == 1
+    book.handle(a.batch(1.0, 2, mark=1), 0.1)
+    [sw1] = book.tick(0.1)
+    assert sw1.train is None and book.last_timer_step == 1
+    t.seq = 1
+    book.handle(Hello(Header("trainer", "t", 1, "train"), 3599.0), 0.2)
+    assert book.trainer_known and book.open_timer_window(0.3) is None and not book.windows
+    book.handle(a.batch(1.0, 4), 0.4)
+    assert book.handle(t.step(2, loss=1.0), 5.0) == [2]
+    book.handle(a.batch(0, 0, mark=2), 5.1)
+    [sw2] = book.tick(5.1)
+    assert sw2.train is not None and weight(sw2) == 4
+    assert sw2.counters["stale_train_steps"] == 0
+
+
+def test_a_first_frame_numbered_zero_is_accepted() -> None:
+    """Regression: a producer whose first frame had sequence number 0 (the decoder allows
+    it) had that frame dropped as a duplicate."""
+    book = WindowBook()
+    t = T()
+    book.handle(Batch(Header("z", "1", 0), {"r": (SC, [2.0, 1.0, 2.0, 2.0])}, 1), 0.0)
+    book.handle(t.step(1), 0.0)
+    book.handle(Batch(Header("z", "1", 1), {}, 0, mark=1), 0.0)
+    [sw] = book.tick(0.0)
+    assert weight(sw) == 1 and sw.counters["duplicate_batches"] == 0
+
+
+def test_a_stall_of_the_controller_is_not_held_against_the_workers() -> None:
+    """Regression: after the controller's own loop stalled (in the simulation it shares one
+    event loop with 64 workers), every worker looked silent and was declared gone."""
+    book = WindowBook(seal_timeout=10.0, gone_min=0.5, gone_heartbeats=4.0)
+    a, b = W("a"), W("b")
+    book.handle(a.hello(0.1), 0.0)
+    book.handle(b.hello(0.1), 0.0)
+    book.tick(0.1)
+    book.handle(b.hb(), 3.0)  # b's heartbeat was read after the stall, a's not yet
+    book.tick(3.0)  # nothing checked for 2.9 s: a stall
+    assert book.statistics()["gone_workers"] == 0 and book.statistics()["workers_live"] == 2
+    book.tick(3.2)
+    book.tick(3.4)
+    book.tick(3.45)  # a silent 0.55 s of checked time > 0.5: gone; b (seen at 3.0) is not
+    assert [p.key for p in book.producers.values() if p.gone] == [("a", "1")]
+
+
+def test_a_worker_and_the_trainer_may_share_an_id() -> None:
+    """Regression: incarnations were tracked by id alone, so the trainer's hello (default id
+    "trainer") retired a rollout worker of that name: all its later data arrived "late"."""
+    book = WindowBook(seal_timeout=10.0)
+    w, t = W("trainer"), T()
+    book.handle(w.hello(), 0.0)
+    book.handle(Hello(Header("trainer", "t", 1, "train"), 3599.0), 0.1)
+    t.seq = 1
+    book.handle(w.batch(1.0, 2), 0.2)
+    book.handle(t.step(1), 0.3)
+    assert book.waiting_on(1) == [("trainer", "1")]
+    book.handle(w.batch(0, 0, mark=1), 0.4)
+    [sw] = book.tick(0.4)
+    assert weight(sw) == 2 and sw.counters["late_events"] == 0 and sw.counters["restarts"] == 0

@@ -34,6 +34,7 @@ from bus import ReduceType, merge_into
 from bus._codec import (
     DEFAULT_MAX_BYTES,
     MAX_KEY_LEN,
+    MAX_WEIGHT,
     ByeAck,
     Committed,
     DecodeError,
@@ -120,6 +121,28 @@ class RolloutStatistics:
     closed: bool = False
 
 
+_RTYPES = frozenset(int(r) for r in ReduceType)
+
+
+def _wire_record(key: Any, value: Any) -> tuple[int, list[float]] | str:
+    """``(reduce type, [sum, weight, min, max])`` as the controller's decoder accepts it, or
+    why it cannot be sent: one bad record from a custom source must not get the whole frame
+    (and the mark it may carry) rejected, nor stop the flusher."""
+    if type(key) is not str or not 0 < len(key) <= MAX_KEY_LEN:
+        return f"the key must be a str of 1 to {MAX_KEY_LEN} characters"
+    try:
+        rt, rec = value
+        code = int(rt)
+        vals = [float(x) for x in rec]
+    except (TypeError, ValueError, OverflowError):
+        return "the record is not (reduce type, [sum, weight, min, max])"
+    if code not in _RTYPES or len(vals) != 4:
+        return "the record is not (reduce type, [sum, weight, min, max])"
+    if not 0.0 <= vals[1] <= MAX_WEIGHT:
+        return f"its weight {vals[1]!r} is not in [0, 2**53]"
+    return code, vals
+
+
 def new_incarnation() -> str:
     """Unique per process start: start time, pid and a random suffix."""
     return f"{int(time.time() * 1000):x}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -190,6 +213,7 @@ class RolloutRuntime:
         self.ready_timeout = float(ready_timeout)
         self._ctx = context
         self._max_bytes = max_bytes
+        self._max_keys = _KEYS_PER_FRAME
         self._seq = 0
         self._push: zmq.asyncio.Socket | None = None
         self._sub: zmq.asyncio.Socket | None = None
@@ -213,20 +237,44 @@ class RolloutRuntime:
         if self._task is not None:
             raise RuntimeError("RolloutRuntime already started")
         ctx = self._ctx or shared_context()
-        self._push = ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.setsockopt(zmq.SNDHWM, 10_000)
-        self._push.connect(self._data)
-        self._sub = ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub.connect(self._control)
-        await self._handshake()
+        try:  # a failed start leaves no socket behind (``async with`` will not call aclose)
+            self._push = ctx.socket(zmq.PUSH)
+            self._push.setsockopt(zmq.LINGER, 0)
+            self._push.setsockopt(zmq.SNDHWM, 10_000)
+            self._sub = ctx.socket(zmq.SUB)
+            self._sub.setsockopt(zmq.LINGER, 0)
+            self._sub.setsockopt(zmq.MAXMSGSIZE, 1 << 16)
+            self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+            endpoints = ((self._push, "data", self._data), (self._sub, "control", self._control))
+            for sock, name, addr in endpoints:
+                try:
+                    sock.connect(addr)
+                except zmq.ZMQError as e:
+                    msg = f"cannot connect to the {name} endpoint {addr!r}: {e}"
+                    raise ValueError(msg) from None
+            await self._handshake()
+        except BaseException:
+            for opened in (self._push, self._sub):
+                if opened is not None:
+                    opened.close(linger=0)
+            self._push = self._sub = None
+            raise
         self._last_flush = time.monotonic()
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name=f"areal_stream-rollout-{self.worker_id}"
         )
+        self._task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        """Say at once when the flusher dies: until ``aclose()`` nothing streams, and the
+        controller sees this worker only as gone."""
+        if not task.cancelled() and task.exception() is not None:
+            log.error(
+                "rollout worker %s: the streaming task failed; what is recorded from now on "
+                "stays in the source until aclose()",
+                self.worker_id,
+                exc_info=task.exception(),
+            )
 
     async def _handshake(self) -> None:
         """Say hello until the controller answers (its control socket may need a moment
@@ -263,25 +311,27 @@ class RolloutRuntime:
         if self._stats.closed:
             return
         self._stats.closed = True
-        if self._task is not None:
-            self._stop.set()
-            try:
-                await asyncio.wait_for(asyncio.shield(self._task), self.close_timeout)
-            except (asyncio.TimeoutError, Exception):
-                self._task.cancel()
-                log.warning("rollout worker %s: flusher did not stop cleanly", self.worker_id)
-            try:
-                await asyncio.wait_for(self._final(), self.close_timeout)
-            except asyncio.TimeoutError:
-                log.warning(
-                    "rollout worker %s: controller did not acknowledge bye within %.1fs; "
-                    "frames still queued may be lost",
-                    self.worker_id,
-                    self.close_timeout,
-                )
-        for s in (self._push, self._sub):
-            if s is not None:
-                s.close(linger=0)
+        try:
+            if self._task is not None:
+                self._stop.set()
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._task), self.close_timeout)
+                except (asyncio.TimeoutError, Exception):
+                    self._task.cancel()
+                    log.warning("rollout worker %s: flusher did not stop cleanly", self.worker_id)
+                try:
+                    await asyncio.wait_for(self._final(), self.close_timeout)
+                except asyncio.TimeoutError:
+                    log.warning(
+                        "rollout worker %s: controller did not acknowledge bye within %.1fs; "
+                        "frames still queued may be lost",
+                        self.worker_id,
+                        self.close_timeout,
+                    )
+        finally:  # even if the final flush failed: never leave a socket open
+            for s in (self._push, self._sub):
+                if s is not None:
+                    s.close(linger=0)
 
     async def abort(self) -> None:
         """Stop at once without flushing or saying bye (as if the process died): what was
@@ -364,18 +414,20 @@ class RolloutRuntime:
             if not raw and mark is None:
                 return
             recs: dict[str, tuple[int, list[float]]] = {}
-            for k, (rt, rec) in raw.items():
-                if not 0 < len(k) <= MAX_KEY_LEN:
+            for k, v in raw.items():
+                checked = _wire_record(k, v)
+                if isinstance(checked, str):
                     self._stats.invalid_keys += 1
-                    log.error(
-                        "rollout worker %s: key %.80r... is longer than %d characters; "
-                        "not sent (counted in statistics().invalid_keys)",
-                        self.worker_id,
-                        k,
-                        MAX_KEY_LEN,
-                    )
+                    if self._stats.invalid_keys <= 5:
+                        log.error(
+                            "rollout worker %s: key %.80r not sent: %s (counted in "
+                            "statistics().invalid_keys; only the first 5 are logged)",
+                            self.worker_id,
+                            k,
+                            checked,
+                        )
                     continue
-                recs[k] = (int(rt), [float(x) for x in rec])
+                recs[k] = checked
             chunks = self._chunks(list(recs))
             for i, chunk in enumerate(chunks):
                 part = {k: recs[k] for k in chunk}
@@ -394,13 +446,14 @@ class RolloutRuntime:
 
     def _chunks(self, keys: list[str]) -> list[list[str]]:
         """Split keys so each frame stays well under the size limit (about 48 bytes per
-        record plus the key) and under ``_KEYS_PER_FRAME`` keys; at least one chunk."""
+        record plus the key) and under the key limit (``_KEYS_PER_FRAME``, or the controller's
+        if lower); at least one chunk."""
         budget = self._max_bytes // 2
         out: list[list[str]] = [[]]
         size = 0
         for k in keys:
             est = len(k.encode()) + 48
-            if out[-1] and (size + est > budget or len(out[-1]) >= _KEYS_PER_FRAME):
+            if out[-1] and (size + est > budget or len(out[-1]) >= self._max_keys):
                 out.append([])
                 size = 0
             out[-1].append(k)
@@ -438,6 +491,10 @@ class RolloutRuntime:
                 and msg.src == self.worker_id
                 and msg.inc == self.incarnation
             ):
+                if msg.max_bytes is not None:  # split frames under the controller's limits
+                    self._max_bytes = max(4096, min(self._max_bytes, msg.max_bytes))
+                if msg.max_keys is not None:
+                    self._max_keys = max(1, min(self._max_keys, msg.max_keys))
                 self._welcomed.set()
             elif (
                 isinstance(msg, ByeAck)

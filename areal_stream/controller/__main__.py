@@ -32,7 +32,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--control", default="tcp://127.0.0.1:5556", help="control address")
     p.add_argument("--ready-file", help="write {data, control} JSON here once listening")
     p.add_argument("--seal-timeout", type=_positive, default=10.0, help="seconds (default 10)")
-    p.add_argument("--commit-every", type=_positive, help="rollout-only: close a window every S")
+    p.add_argument(
+        "--commit-every",
+        type=_positive,
+        help="rollout-only runs: close a window every S seconds (stops once a trainer registers)",
+    )
     p.add_argument(
         "--gone-after",
         type=_positive,

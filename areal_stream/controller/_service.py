@@ -7,7 +7,9 @@ train report with the rollout window, adds the ``bus/`` counters and hands the s
 sink (``StatsLogger.commit``), strictly in step order.
 
 Bad frames are logged (rate-limited), counted in ``bus/decode_errors`` and skipped;
-nothing already held is touched by them.
+nothing already held is touched by them. A step that fails to assemble or commit is
+logged and counted in ``bus/commit_errors`` (reported with the next step); the committer
+goes on with the next one.
 """
 
 from __future__ import annotations
@@ -171,6 +173,16 @@ class ControllerService:
             raise ValueError(f"seal_timeout must be > 0, got {opts.seal_timeout}")
         if opts.commit_every is not None and opts.commit_every <= 0:
             raise ValueError(f"commit_every must be > 0, got {opts.commit_every}")
+        if isinstance(opts.max_bytes, bool) or not isinstance(opts.max_bytes, int):
+            raise TypeError(f"max_bytes must be an int, got {type(opts.max_bytes).__name__}")
+        if opts.max_bytes < 4096:  # a negative MAXMSGSIZE would mean "no limit" to libzmq
+            raise ValueError(
+                f"max_bytes (--max-message-bytes) must be >= 4096, got {opts.max_bytes}"
+            )
+        if isinstance(opts.max_keys, bool) or not isinstance(opts.max_keys, int):
+            raise TypeError(f"max_keys must be an int, got {type(opts.max_keys).__name__}")
+        if opts.max_keys < 1:
+            raise ValueError(f"max_keys (--max-keys) must be >= 1, got {opts.max_keys}")
         self.sink = sink
         self.book = WindowBook(
             seal_timeout=opts.seal_timeout,
@@ -186,7 +198,6 @@ class ControllerService:
         self._queue: asyncio.Queue[SealedWindow | None] = asyncio.Queue()
         self._committer: asyncio.Task[None] | None = None
         self._bad = _RateLimitedLog()
-        self._seen_train = False
         self._next_timer: float | None = None
         self.committed_steps: list[int] = []
         self.commit_errors = 0
@@ -304,20 +315,32 @@ class ControllerService:
             self.book.count("decode_errors_" + e.reason)
             self._bad(e.reason, e.detail)
             return
+        except Exception:  # a bug must not stop the controller: count, log, go on
+            self.book.count("internal_errors")
+            log.exception("controller: handling a frame failed (counted in bus/internal_errors)")
+            return
         if announce:
-            self._seen_train = True
             for step in announce:
                 await self._publish(encode_seal(step))
         elif isinstance(msg, Train) and self.book.totals["stale_train_steps"] > stale:
+            timer = self.book.last_timer_step
+            why = (
+                f" (--commit-every windows took steps up to {timer} before the trainer registered)"
+                if timer is not None and msg.step <= timer
+                else ""
+            )
             self._bad(
                 "stale_train",
                 f"train report for step {msg.step} dropped: that step was already reported "
-                f"or committed (counted in bus/stale_train_steps)",
+                f"or committed{why} (counted in bus/stale_train_steps)",
             )
         if isinstance(msg, Bye):
             await self._publish(encode_byeack(msg.head.src, msg.head.inc))
         elif isinstance(msg, Hello):
-            await self._publish(encode_welcome(msg.head.src, msg.head.inc))
+            opts = self.options  # the frame limits, so the worker sizes its batches under them
+            await self._publish(
+                encode_welcome(msg.head.src, msg.head.inc, opts.max_bytes, opts.max_keys)
+            )
 
     async def _after_frames(self) -> None:
         now = time.monotonic()
@@ -327,8 +350,8 @@ class ControllerService:
             and self.options.commit_every is not None
         ):
             self._next_timer = now + self.options.commit_every
-            if not self._seen_train:
-                step = self.book.open_timer_window(now)
+            step = self.book.open_timer_window(now)  # None once a trainer registered
+            if step is not None:
                 await self._publish(encode_seal(step))
         for step in self.book.reannounce(now):
             await self._publish(encode_seal(step))
@@ -349,11 +372,12 @@ class ControllerService:
             sealed = await self._queue.get()
             if sealed is None:
                 return
-            epoch, epoch_step, stats = assemble(sealed)
-            try:
+            try:  # any failure costs this step only, never the committer
+                epoch, epoch_step, stats = assemble(sealed)
                 await asyncio.to_thread(self.sink.commit, epoch, epoch_step, sealed.step, stats)
             except Exception:
                 self.commit_errors += 1
+                self.book.count("commit_errors")  # reported with the next step
                 log.exception("controller: committing step %d failed", sealed.step)
             async with self._committed:
                 self.committed_steps.append(sealed.step)
@@ -361,19 +385,21 @@ class ControllerService:
             await self._publish(encode_committed(sealed.step))
 
     async def _shutdown(self) -> None:
-        # frames already queued in the socket are part of what we hold
-        if self._pull is not None:
-            await self._drain_frames(self._pull, limit=10_000_000)
-        for sealed in self.book.drain(time.monotonic()):
-            self._queue.put_nowait(sealed)
-        self._queue.put_nowait(None)
-        if self._committer is not None:
-            await self._committer
         try:
-            await asyncio.to_thread(self.sink.close)
-        except Exception:
-            log.exception("controller: closing the sink failed")
-        for s in (self._pull, self._pub):
-            if s is not None:
-                s.close(linger=0)
-        self._ctx.term()
+            # frames already queued in the socket are part of what we hold
+            if self._pull is not None:
+                await self._drain_frames(self._pull, limit=10_000_000)
+            for sealed in self.book.drain(time.monotonic()):
+                self._queue.put_nowait(sealed)
+            self._queue.put_nowait(None)
+            if self._committer is not None:
+                await self._committer
+            try:
+                await asyncio.to_thread(self.sink.close)
+            except Exception:
+                log.exception("controller: closing the sink failed")
+        finally:  # whatever failed above, never leave sockets open (term() would hang)
+            for s in (self._pull, self._pub):
+                if s is not None:
+                    s.close(linger=0)
+            self._ctx.term()
