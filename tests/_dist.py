@@ -33,6 +33,12 @@ def _entry(
             dist.destroy_process_group()
     except BaseException:
         q.put((rank, False, traceback.format_exc()))
+    # Deliver the result, then leave without running C++ static destructors: torch's gloo
+    # threads sometimes abort an exiting interpreter ("terminate called without an active
+    # exception"), which would turn a finished rank into a crash.
+    q.close()
+    q.join_thread()
+    os._exit(0)
 
 
 def run_ranks(
