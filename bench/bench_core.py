@@ -287,6 +287,12 @@ def run() -> str:
     ]
     for b, ob, rb, ot, rt in bench_stat_memory():
         lines.append(f"| {b} | {ob} | {rb} | {ot:.2f} | {rt:.2f} |")
+    lines += [
+        "",
+        "Ours also keeps a reference (not a copy) to the latest mask of each denominator "
+        "until export, here the caller's own [64, 4096] bool mask (256 KiB), whatever the "
+        "number of batches; the reference-style tracker clones every mask and value.",
+    ]
     lines += ["", "### export_all over gloo (median of 5)", ""]
     lines += [
         "| ranks | keys | collectives (ours) | collectives (per-key) | ms (ours) "
