@@ -67,4 +67,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: the with/finally blocks above stopped the children
+        sys.exit(130)

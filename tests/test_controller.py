@@ -523,3 +523,29 @@ async def test_a_frame_that_trips_a_bug_is_counted_and_the_controller_goes_on() 
             await asyncio.to_thread(rep.close)
     stats = sink.by_step()[1]
     assert stats["loss"] == 3.0 and stats["bus/internal_errors"] == 1 and len(tripped) == 1
+
+
+async def test_trainer_reports_nobody_took_are_counted_and_named(caplog: Any) -> None:
+    """Reports queued for an address where no controller ever answered are not silently
+    lost on close: they are counted and a warning names the address."""
+    ctx = zmq.Context()
+    probe = ctx.socket(zmq.PULL)
+    port = probe.bind_to_random_port("tcp://127.0.0.1")
+    probe.close(linger=0)  # a free port with nothing listening
+    ctx.term()
+    dead = TrainReporter(
+        lambda **kw: {"x": 1.0}, data=f"tcp://127.0.0.1:{port}", rank=0, close_timeout=0.3
+    )
+    dead.commit(0)
+    dead.commit(1)
+    with caplog.at_level("WARNING"):
+        await asyncio.to_thread(dead.close)
+    assert dead.statistics().reports_undelivered == 2
+    assert f"tcp://127.0.0.1:{port}" in caplog.text and "2 step report(s)" in caplog.text
+    async with running(seal_timeout=5.0) as (svc, sink):
+        live = reporter(svc, lambda: {"x": 1.0})
+        live.commit(0)
+        await svc.wait_committed(0, 10)
+        await asyncio.to_thread(live.close)
+    assert live.statistics().reports_undelivered == 0
+    assert sink.by_step()[0]["x"] == 1.0

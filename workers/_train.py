@@ -8,6 +8,7 @@ ZMQ PUSH with its own context, so ``close()`` can wait for queued frames to be d
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -16,10 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from bus._codec import Header, encode_hello, encode_train
 
 ExportAll = Callable[..., Mapping[str, Any]]
+
+log = logging.getLogger(__name__)
+_PEER_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 
 def _group_rank(group: Any) -> int:
@@ -38,6 +43,7 @@ class TrainStatistics:
     steps_committed: int = 0
     frames_sent: int = 0
     last_step: int | None = None
+    reports_undelivered: int = 0
     closed: bool = False
 
 
@@ -69,11 +75,17 @@ class TrainReporter:
         self._close_timeout = close_timeout
         self._ctx: zmq.Context[Any] | None = None
         self._sock: zmq.Socket[Any] | None = None
+        self._mon: zmq.Socket[Any] | None = None
+        self._peer_seen = False
+        self._data = data
         if self.rank == 0:
             self._ctx = zmq.Context()
             self._sock = self._ctx.socket(zmq.PUSH)
             self._sock.setsockopt(zmq.LINGER, int(close_timeout * 1000))
             self._sock.setsockopt(zmq.SNDTIMEO, int(send_timeout * 1000))
+            # Watch for a peer: frames queued for a controller that never answered are
+            # reported as undelivered on close instead of vanishing.
+            self._mon = self._sock.get_monitor_socket(_PEER_EVENTS)
             self._sock.connect(data)
             self._send(encode_hello(self._head(), 3600.0 - 1))
 
@@ -131,13 +143,41 @@ class TrainReporter:
     def statistics(self) -> TrainStatistics:
         return TrainStatistics(**vars(self._stats))
 
+    def _connected(self, wait: float) -> bool:
+        """Whether a controller ever took the connection (waits up to ``wait`` s)."""
+        if self._peer_seen or self._mon is None:
+            return self._peer_seen
+        deadline = time.monotonic() + wait
+        while self._mon.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            if recv_monitor_message(self._mon)["event"] & _PEER_EVENTS:
+                self._peer_seen = True
+                break
+        return self._peer_seen
+
     def close(self) -> None:
-        """Deliver queued reports (waits at most ``close_timeout``), then close."""
+        """Deliver queued reports (waits at most ``close_timeout``), then close.
+
+        If no controller ever accepted the connection, the reports sent are counted in
+        ``statistics().reports_undelivered`` and a warning names the address.
+        """
         if self._stats.closed:
             return
         self._stats.closed = True
         if self._sock is not None:
-            self._sock.close()
+            linger = None
+            if not self._connected(self._close_timeout):
+                self._stats.reports_undelivered = self._stats.steps_committed
+                linger = 0
+                log.warning(
+                    "TrainStream: no controller accepted the connection to %s; %d step "
+                    "report(s) were not delivered",
+                    self._data,
+                    self._stats.steps_committed,
+                )
+            self._sock.disable_monitor()
+            if self._mon is not None:
+                self._mon.close(linger=0)
+            self._sock.close(linger=linger)
         if self._ctx is not None:
             self._ctx.term()
 

@@ -49,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--allow-remote",
         action="store_true",
-        help="allow binding non-loopback addresses (secure them with CURVE)",
+        help="allow binding non-loopback addresses (no authentication or encryption: "
+        "use on trusted networks only)",
     )
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)

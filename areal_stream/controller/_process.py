@@ -54,6 +54,9 @@ class ControllerProcess:
              "--bind", "tcp://127.0.0.1:0", "--control", "tcp://127.0.0.1:0",
              "--ready-file", ready, *self.args],
             env=child_env(),
+            # Its own session: a terminal's Ctrl-C reaches the owner, which stops the
+            # controller last (after the producers said goodbye) with stop().
+            start_new_session=True,
         )  # fmt: skip
         deadline = time.monotonic() + self.timeout
         try:

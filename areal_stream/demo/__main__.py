@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from areal_stream.controller import ControllerProcess
+from areal_stream.controller import ControllerProcess, child_env
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -61,6 +61,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "workers", "workflows_per_worker"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.step_seconds < 0:
+        p.error("--step-seconds must be at least 0")
+    if not 0.0 <= args.eval_fraction <= 1.0:
+        p.error("--eval-fraction must be between 0 and 1")
+    if args.seal_timeout <= 0:
+        p.error("--seal-timeout must be positive")
+    if os.path.exists(args.fileroot) and not os.path.isdir(args.fileroot):
+        p.error(f"--fileroot {args.fileroot!r} exists and is not a directory")
     return args
 
 
@@ -84,15 +92,24 @@ def write_config(args: argparse.Namespace, trial: str, path: str) -> dict[str, A
 
 
 class Children:
-    """Child processes that are always stopped: SIGTERM, a grace period, then SIGKILL."""
+    """Child processes that are always stopped: SIGTERM, a grace period, then SIGKILL.
+
+    Each child runs in its own session (as the controller does), so a Ctrl-C in the
+    terminal reaches only the demo, which then stops them in order (trainers, workers,
+    controller): the workers' goodbyes still reach a live controller, which commits what it
+    holds.
+    """
 
     def __init__(self) -> None:
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
     def start(self, name: str, argv: list[str], **kw: Any) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(argv, **kw)
+        proc = subprocess.Popen(argv, start_new_session=True, env=child_env(), **kw)
         self.procs.append((name, proc))
         return proc
+
+    def names(self, prefix: str) -> list[str]:
+        return [n for n, _ in self.procs if n.startswith(prefix)]
 
     def stop(self, names: Sequence[str] | None = None, grace: float = 10.0) -> None:
         chosen = [(n, p) for n, p in self.procs if names is None or n in names]
@@ -168,12 +185,28 @@ def _table_row(row: dict[str, Any], t0: float) -> str:
     return " ".join(cells)
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _tool(name: str) -> str:
+    """How to call a console script installed next to this Python (e.g. ``.venv/bin``)."""
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    if not os.path.exists(path):
+        return name
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
 def run(args: argparse.Namespace) -> int:
     trial = args.trial_name or datetime.datetime.now().strftime("trial_%Y%m%d_%H%M%S")
     log_dir = os.path.join(
         os.path.abspath(args.fileroot), "logs", getpass.getuser(), args.experiment_name, trial
     )
-    os.makedirs(log_dir, exist_ok=True)
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as e:
+        raise RuntimeError(f"cannot create the log directory {log_dir}: {e.strerror}") from e
     config_path = os.path.join(log_dir, "run.yaml")
     write_config(args, trial, config_path)
     journal = os.path.join(log_dir, "stats.jsonl")
@@ -181,19 +214,19 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault("TRACKIO_DIR", os.path.join(log_dir, "trackio"))
     py = sys.executable
     children = Children()
-    ctrl: ControllerProcess | None = None
+    ctrl = ControllerProcess(
+        config_path, seal_timeout=args.seal_timeout, extra_args=("--log-level", "WARNING")
+    )
     t0 = time.monotonic()
+    # Closing the terminal or `kill <demo pid>` stops the children too, as Ctrl-C does.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     with tempfile.TemporaryDirectory(prefix="areal_stream_demo_") as tmp:
         try:
-            ctrl = ControllerProcess(
-                config_path,
-                seal_timeout=args.seal_timeout,
-                extra_args=("--log-level", "WARNING"),
-            ).start()
+            ctrl.start()
             controller = ctrl.proc
             addr = {"data": ctrl.data, "control": ctrl.control}
             print(f"[demo] controller listening on {addr['data']} (control {addr['control']})")
-
             worker_ready = []
             for i in range(args.workers):
                 argv = [
@@ -269,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(0.1)
             for p in trainers:
                 p.wait(timeout=60)
-            children.stop([f"rollout-{i}" for i in range(args.workers)])
+            children.stop(children.names("rollout-"))
             if ctrl.stop(timeout=60) != 0:
                 raise RuntimeError(f"the controller exited with code {controller.returncode}")
             rows, offset = _read_journal(journal, offset)
@@ -277,24 +310,34 @@ def run(args: argparse.Namespace) -> int:
                 print(_table_row(row, t0) + "  (rollout data after the last step)")
         except KeyboardInterrupt:
             print("\n[demo] interrupted: stopping every process", file=sys.stderr)
+            _stop_all(children, ctrl)
+            print(f"[demo] stopped. Logs so far: {log_dir}", file=sys.stderr)
             return 130
         finally:
-            children.stop(grace=15)
-            if ctrl is not None:
-                ctrl.stop(timeout=30)
+            _stop_all(children, ctrl)
     print(f"\n[demo] done in {time.monotonic() - t0:.1f}s. Logs: {log_dir}")
     print(f"  journal:     {journal}")
     if not args.no_tensorboard:
-        print(f"  TensorBoard: tensorboard --logdir {log_dir}")
+        print(f"  TensorBoard: {_tool('tensorboard')} --logdir {log_dir}")
     if args.wandb:
-        print(f"  W&B offline: wandb sync {os.path.join(log_dir, 'wandb', 'offline-run-*')}")
+        offline = os.path.join(log_dir, "wandb", "offline-run-*")
+        print(f"  W&B offline: {_tool('wandb')} sync {offline}")
     if args.swanlab:
         for run_dir in sorted(glob.glob(os.path.join(log_dir, "run-*"))):
-            print(f"  SwanLab:     swanlab sync {run_dir}")
+            print(f"  SwanLab:     {_tool('swanlab')} sync {run_dir}")
     if args.trackio:
         tdir = os.environ["TRACKIO_DIR"]
-        print(f"  Trackio:     TRACKIO_DIR={tdir} trackio show --project areal_stream")
+        print(f"  Trackio:     TRACKIO_DIR={tdir} {_tool('trackio')} show --project areal_stream")
     return 0
+
+
+def _stop_all(children: Children, ctrl: ControllerProcess) -> None:
+    """Trainers first, then the workers (their goodbyes reach the controller), then it."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # another Ctrl-C waits
+        signal.signal(sig, signal.SIG_IGN)
+    children.stop(children.names("trainer-"), grace=15)
+    children.stop(children.names("rollout-"), grace=15)
+    ctrl.stop(timeout=30)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -142,7 +143,16 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
+def _stop_now(signum: int, frame: Any) -> None:
+    """Stopped by the demo: exit at once, quietly (the peer rank may be mid-collective)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signum)
+
+
 if __name__ == "__main__":
+    for _sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_sig, _stop_now)
     main()
     # Skip C++ static destructors: torch's gloo threads sometimes abort an exiting
     # interpreter ("terminate called without an active exception") after a clean run.
