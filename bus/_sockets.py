@@ -51,14 +51,15 @@ def is_loopback(host: str) -> bool:
 
 
 def check_bind_endpoint(addr: str, *, allow_remote: bool = False) -> str:
-    """Validate a bind address; non-loopback hosts need ``allow_remote`` (use CURVE there)."""
+    """Validate a bind address; non-loopback hosts need ``allow_remote`` (no auth here)."""
     if addr.startswith(("ipc://", "inproc://")):
         return addr
     host, port = parse_tcp(addr)
     if not allow_remote and not is_loopback(host):
         raise ValueError(
             f"refusing to bind {addr!r}: only loopback addresses are allowed unless "
-            "allow_remote=True (--allow-remote); secure such a socket with ZMQ CURVE"
+            "allow_remote=True (--allow-remote); the bus has no authentication or encryption, "
+            "so only do that on a trusted network"
         )
     host = "127.0.0.1" if host == "localhost" else host
     return f"tcp://{host}:{'*' if port == 0 else port}"
